@@ -1,0 +1,22 @@
+"""ringlse: exact softmax attention from blocks.
+
+Every block op returns its output and its log-sum-exp; `update_out_and_lse` / `merge_attn_states`
+merge blocks exactly; `ring_attention` passes K/V around a `torch.distributed` ring. `import ringlse`
+needs neither Triton nor a GPU: kernels load when first used.
+"""
+
+from ringlse.api import attention, block_attention
+from ringlse.backends import available_backends, get_block_op
+from ringlse.merge import merge_attn_states, update_out_and_lse
+from ringlse.reference import reference_attention
+
+__all__ = [
+    "attention",
+    "available_backends",
+    "block_attention",
+    "get_block_op",
+    "merge_attn_states",
+    "reference_attention",
+    "update_out_and_lse",
+]
+__version__ = "0.1.0"

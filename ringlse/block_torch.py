@@ -1,0 +1,87 @@
+"""The PyTorch block op: float32 math (float64 for float64 inputs), any device. Serves CPU ranks and is
+the fallback everywhere. GQA works by viewing the query heads as `[hkv, group]`, never by repeating K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringlse.blockop import BlockOp
+from ringlse.merge import merge_weights
+from ringlse.positions import visibility_mask
+from ringlse.reference import lse_dtype, masked_softmax_and_lse
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, q_start: int, k_start: int) -> torch.Tensor:
+    """`[b, hkv, g, sq, sk]` scaled scores in the accumulation dtype, masked entries `-inf`."""
+    b, sq, h, d = q.shape
+    hkv = k.shape[2]
+    acc = lse_dtype(q.dtype)
+    qg = q.to(acc).reshape(b, sq, hkv, h // hkv, d)
+    s = torch.einsum("bikgd,bjkd->bkgij", qg, k.to(acc)) * scale
+    if causal:
+        s = s.masked_fill(~visibility_mask(sq, k.shape[1], q_start, k_start, device=q.device), float("-inf"))
+    return s
+
+
+def torch_block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool,
+    q_start: int,
+    k_start: int,
+    out_acc: torch.Tensor | None = None,
+    lse_acc: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, sq, h, d = q.shape
+    hkv = k.shape[2]
+    s = _scores(q, k, softmax_scale, causal, q_start, k_start)
+    p, lse = masked_softmax_and_lse(s)
+    out = torch.einsum("bkgij,bjkd->bikgd", p, v.to(s.dtype)).reshape(b, sq, h, d)
+    lse = lse.reshape(b, h, sq)
+    if out_acc is None:
+        return out.to(q.dtype), lse
+    w, merged = merge_weights(torch.stack([lse_acc, lse]))
+    wt = w.transpose(-1, -2).unsqueeze(-1)  # [2, b, sq, h, 1]
+    out_acc.copy_(wt[0] * out_acc + wt[1] * out)
+    lse_acc.copy_(merged)
+    return out_acc, lse_acc
+
+
+def torch_block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool,
+    q_start: int,
+    k_start: int,
+    dq_acc: torch.Tensor,
+    dk_acc: torch.Tensor,
+    dv_acc: torch.Tensor,
+) -> None:
+    b, sq, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    s = _scores(q, k, softmax_scale, causal, q_start, k_start)
+    acc = s.dtype
+    lse_g = lse.to(acc).reshape(b, hkv, g, sq, 1)
+    # P from the *global* lse; rows whose global lse is -inf saw nothing anywhere: P = 0 there
+    p = torch.exp(s - torch.where(torch.isneginf(lse_g), torch.zeros_like(lse_g), lse_g))
+    dout_g = dout.to(acc).reshape(b, sq, hkv, g, d)
+    dv_acc += torch.einsum("bkgij,bikgd->bjkd", p, dout_g)
+    dp = torch.einsum("bikgd,bjkd->bkgij", dout_g, v.to(acc))
+    ds = p * (dp - delta.to(acc).reshape(b, hkv, g, sq, 1)) * softmax_scale
+    dq_acc += torch.einsum("bkgij,bjkd->bikgd", ds, k.to(acc)).reshape(b, sq, h, d)
+    dk_acc += torch.einsum("bkgij,bikgd->bjkd", ds, q.to(acc).reshape(b, sq, hkv, g, d))
+
+
+TORCH_BLOCK_OP = BlockOp("torch", torch_block_forward, torch_block_backward)

@@ -1,0 +1,47 @@
+"""The block-op contract: what the ring loop, `chunked_attention` and `block_attention` call.
+
+A block op attends one block of queries to one block of keys with global start positions (DESIGN §4)
+and comes as two plain functions, so the same loop runs with the PyTorch op on CPU and with Triton,
+SDPA or flash-attn kernels on GPU.
+
+forward(q, k, v, *, softmax_scale, causal, q_start, k_start, out_acc=None, lse_acc=None)
+    q `[b, sq, h, d]`, k/v `[b, sk, hkv, d]`. Without accumulators: returns `(out, lse)`, `out` in
+    q's dtype, `lse` `[b, h, sq]` float32 (float64 for float64 inputs). With `out_acc` `[b, sq, h, d]`
+    and `lse_acc` `[b, h, sq]` (float32/float64, possibly strided views into larger buffers): merges
+    the block into them in place (DESIGN §3, `-inf`-safe) and returns them.
+
+backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_start, dq_acc, dk_acc, dv_acc)
+    `out`, `lse` are the *global* results for these query rows and `delta = rowsum(dout * out)`
+    `[b, h, sq]` (float32/float64); adds this block's gradients into the float32/float64
+    accumulators `dq_acc` `[b, sq, h, d]`, `dk_acc`, `dv_acc` `[b, sk, hkv, d]` (views allowed).
+    Returns nothing.
+
+Callers skip blocks that `positions.block_kind` calls EMPTY and pass `causal=False` for FULL ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockOp:
+    name: str
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., None]
+    # rowsum(dout * out) in the lse layout; a backend may override it with a kernel
+    delta: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def compute_delta(self, dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.delta is not None:
+            return self.delta(dout, out)
+        return torch_delta(dout, out)
+
+
+def torch_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`rowsum(dout * out)`: `[b, s, h, d]` x2 -> `[b, h, s]`, float32 (float64 for float64)."""
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()

@@ -1,0 +1,84 @@
+"""Exact attention in float64 with plain PyTorch: the yardstick every other path is checked against.
+
+No Triton here, on purpose: the reference must not share code with what it checks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringlse.positions import visibility_mask
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of lse and of running accumulators for inputs of `dtype` (DESIGN §1, §3)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def masked_softmax_and_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last dim and its natural-log normaliser, safe for rows that are all `-inf`.
+
+    Such rows give probabilities 0 and lse `-inf`, and finite (zero) gradients: the max and the
+    denominator are replaced by safe constants *before* anything is differentiated, so no
+    `exp(-inf - -inf)` or `log(0)` ever enters the autograd graph.
+
+    Args:
+        scores: `[..., n]`, masked entries already `-inf`.
+
+    Returns:
+        `(p, lse)`: `p` like `scores`, `lse` of shape `[...]`.
+    """
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    empty = torch.isneginf(row_max)
+    row_max = torch.where(empty, torch.zeros_like(row_max), row_max)
+    e = torch.exp(scores - row_max)
+    denom = e.sum(dim=-1, keepdim=True)
+    denom_safe = torch.where(empty, torch.ones_like(denom), denom)
+    p = e / denom_safe
+    lse = torch.where(empty, torch.full_like(denom, float("-inf")), row_max + torch.log(denom_safe))
+    return p, lse.squeeze(-1)
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    q_start: int | None = None,
+    k_start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention computed in float64, differentiable, returning `(out, lse)`.
+
+    Args:
+        q: `[batch, seqlen_q, nheads, headdim]`.
+        k, v: `[batch, seqlen_k, nheads_kv, headdim]`, `nheads % nheads_kv == 0` (GQA/MQA; K/V are
+            indexed per group, never repeated).
+        causal: key `j` is visible to query `i` iff `k_start + j <= q_start + i`.
+        softmax_scale: defaults to `headdim ** -0.5`.
+        q_start: global position of query 0; `None` aligns the ends of q and k (bottom-right, as
+            flash-attn >= 2.1): `q_start = k_start + seqlen_k - seqlen_q`.
+        k_start: global position of key 0.
+
+    Returns:
+        `out` `[batch, seqlen_q, nheads, headdim]` in `q.dtype`, and `lse` `[batch, nheads, seqlen_q]`
+        (float32; float64 for float64 inputs), natural log. Rows with no visible key give `out = 0`,
+        `lse = -inf`.
+    """
+    b, sq, h, d = q.shape
+    bk, sk, hkv, dk = k.shape
+    if (bk, dk) != (b, d) or v.shape != k.shape or h % hkv:
+        raise ValueError(f"reference_attention: incompatible shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    if q_start is None:
+        q_start = k_start + sk - sq
+    g = h // hkv
+    q64 = q.double().reshape(b, sq, hkv, g, d)
+    scores = torch.einsum("bikgd,bjkd->bkgij", q64, k.double()) * scale
+    if causal:
+        visible = visibility_mask(sq, sk, q_start, k_start, device=q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    p, lse = masked_softmax_and_lse(scores)
+    out = torch.einsum("bkgij,bjkd->bikgd", p, v.double()).reshape(b, sq, h, d)
+    return out.to(q.dtype), lse.reshape(b, h, sq).to(lse_dtype(q.dtype))

@@ -1,0 +1,114 @@
+"""How ringlse decides that a result equals softmax attention (DESIGN §7), for tests and users alike.
+
+Low-precision results are judged against what the same math done naively in that precision gets
+wrong: `max|ours - ref| <= 2 * max|baseline - ref| + floor`, with `floor` the rounding of the reference
+itself in that dtype. Float32 results must be within `1e-3 * max|ref|`; float64 within
+`torch.testing.assert_close` defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ringlse.reference import masked_softmax_and_lse
+from ringlse.positions import visibility_mask
+
+
+def naive_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    q_start: int | None = None,
+    k_start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The baseline: attention computed entirely in the input dtype (GQA by repeating K/V, which is
+    fine for a baseline). Same arguments and returns as `reference_attention`, lse in the input dtype.
+    """
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    if q_start is None:
+        q_start = k_start + sk - sq
+    kr = k.repeat_interleave(h // hkv, dim=2)
+    vr = v.repeat_interleave(h // hkv, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kr) * scale
+    if causal:
+        s = s.masked_fill(~visibility_mask(sq, sk, q_start, k_start, device=q.device), float("-inf"))
+    p, lse = masked_softmax_and_lse(s)
+    return torch.einsum("bhij,bjhd->bihd", p, vr), lse
+
+
+def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """`2 * max|(ref + 0.3 - 0.3) - ref|` with the arithmetic in `dtype`: the error of merely storing
+    values of this size in that dtype."""
+    r = ref.to(dtype)
+    return 2.0 * ((r + 0.3) - 0.3).double().sub(ref.double()).abs().max().item()
+
+
+@dataclass
+class Verdict:
+    name: str
+    max_err: float
+    mean_err: float
+    bound: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_err <= self.bound
+
+    def __str__(self) -> str:
+        mark = "PASS" if self.ok else "FAIL"
+        return f"{self.name:<5} max {self.max_err:.3e}  mean {self.mean_err:.3e}  bound {self.bound:.3e}  {mark}"
+
+
+def _finite_diff(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|ours - ref| with matching infinities (`-inf` lse rows) counted as 0 and NaN as inf."""
+    o, r = ours.double(), ref.double()
+    same_inf = torch.isinf(o) & torch.isinf(r) & (torch.sign(o) == torch.sign(r))
+    diff = torch.where(same_inf, torch.zeros_like(o), (o - r).abs())
+    return torch.nan_to_num(diff, nan=float("inf"))
+
+
+def judge(
+    name: str,
+    ours: torch.Tensor,
+    ref: torch.Tensor,
+    baseline: torch.Tensor | None,
+    dtype: torch.dtype,
+    *,
+    is_lse: bool = False,
+) -> Verdict:
+    """Compare `ours` with the float64 `ref` by DESIGN §7 for inputs of `dtype`.
+
+    `baseline` (the naive in-dtype result) is needed for bf16/fp16 only.
+    """
+    diff = _finite_diff(ours, ref)
+    max_err = diff.max().item() if diff.numel() else 0.0
+    mean_err = diff.mean().item() if diff.numel() else 0.0
+    finite_ref = ref.double()[torch.isfinite(ref)]
+    ref_max = finite_ref.abs().max().item() if finite_ref.numel() else 0.0
+    if dtype == torch.float64:
+        bound = 1e-7 + 1e-7 * ref_max  # assert_close's float64 defaults, as an absolute bound
+    elif dtype == torch.float32:
+        bound = 1e-3 * ref_max
+    else:
+        if baseline is None:
+            raise ValueError(f"judge: {name} in {dtype} needs the naive baseline")
+        base_err = _finite_diff(baseline, ref).max().item() if ref.numel() else 0.0
+        if is_lse:
+            bound = 2 * base_err + 1e-5
+        else:
+            bound = 2 * base_err + rounding_floor(torch.nan_to_num(ref.double(), neginf=0.0), dtype)
+    return Verdict(name, max_err, mean_err, bound)
+
+
+def assert_judged(name, ours, ref, baseline, dtype, *, is_lse: bool = False) -> Verdict:
+    """`judge` and raise AssertionError (with the numbers) on failure."""
+    v = judge(name, ours, ref, baseline, dtype, is_lse=is_lse)
+    assert v.ok, str(v)
+    return v
