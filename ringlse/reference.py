@@ -28,6 +28,10 @@ def masked_softmax_and_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     Returns:
         `(p, lse)`: `p` like `scores`, `lse` of shape `[...]`.
     """
+    if scores.shape[-1] == 0:
+        # an empty key block (a ring step or key partition with no keys): every row is empty, and
+        # `amax` refuses to reduce a zero-size dim. Stay in the graph so autograd sees (zero) grads.
+        return scores * 0.0, scores.sum(dim=-1) + float("-inf")
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     empty = torch.isneginf(row_max)
     row_max = torch.where(empty, torch.zeros_like(row_max), row_max)
