@@ -16,6 +16,34 @@ import torch
 from ringlse.reference import lse_dtype
 
 
+def _merge_kernel_module():
+    """`ringlse.kernels.merge`, imported on first use (so `import ringlse` needs no Triton), or None."""
+    global _KERNEL_MODULE
+    if _KERNEL_MODULE is None:
+        try:
+            from ringlse.kernels import merge as module
+        except ImportError:  # no triton: the PyTorch path serves
+            module = False
+        _KERNEL_MODULE = module
+    return _KERNEL_MODULE or None
+
+
+_KERNEL_MODULE = None
+
+
+def _kernel_for(tensors: Sequence[torch.Tensor], outs, lses, out, lse):
+    """The fused merge module when it can serve this call (CUDA, autograd not recording, dtypes and
+    layouts it handles), else None."""
+    if not all(t.is_cuda for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None  # autograd must record: the PyTorch path below carries the custom backward
+    module = _merge_kernel_module()
+    if module is None or module.check_kernel_inputs(outs, lses, out, lse) is not None:
+        return None
+    return module
+
+
 def _check_state(out: torch.Tensor, lse: torch.Tensor, what: str) -> None:
     if out.dim() < 3:
         raise ValueError(f"{what}: out must be [..., seqlen, nheads, headdim], got shape {tuple(out.shape)}")
@@ -103,6 +131,12 @@ def merge_attn_states(
         _check_state(o, l, f"merge_attn_states (state {i})")
         if o.shape != outs[0].shape:
             raise ValueError(f"merge_attn_states: state {i} has shape {tuple(o.shape)}, state 0 {tuple(outs[0].shape)}")
+    if outs[0].is_cuda and lses[0].dtype == torch.float32 and outs[0].dtype != torch.float64:
+        dst = torch.empty_like(outs[0], memory_format=torch.contiguous_format)
+        dst_lse = torch.empty(lses[0].shape, dtype=torch.float32, device=lses[0].device)
+        kernel = _kernel_for([*outs, *lses], outs, lses, dst, dst_lse)
+        if kernel is not None:
+            return kernel.merge_states(outs, lses, dst, dst_lse)
     out, lse = _MergeStates.apply(len(outs), *outs, *lses)
     return out.to(outs[0].dtype), lse
 
@@ -112,8 +146,14 @@ def update_out_and_lse(
     lse: torch.Tensor | None,
     block_out: torch.Tensor,
     block_lse: torch.Tensor,
+    *,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge one block's attention state into a running state.
+
+    CUDA tensors go through the fused Triton kernel (`ringlse.kernels.merge`: one read of each input,
+    one write of each output) whenever autograd does not need to record the merge; otherwise, and on
+    other devices, the PyTorch math below runs (differentiable).
 
     Args:
         out: running state `[..., seqlen, nheads, headdim]` (float32/float64), or `None` to start one
@@ -121,10 +161,14 @@ def update_out_and_lse(
         lse: its lse `[..., nheads, seqlen]`, or `None` with `out`.
         block_out: `[..., seqlen, nheads, headdim]`, any float dtype.
         block_lse: `[..., nheads, seqlen]`.
+        inplace: write the merged state into `out` and `lse` (which may be strided views into larger
+            buffers) and return them; needs a float32/float64 `out` and `lse`. With `out=None` a new
+            state is returned as usual. Works on every device; while autograd records, the update is
+            recorded as an in-place copy (a leaf that requires grad cannot be updated in place).
 
     Returns:
-        `(out, lse)`: the merged state, float32 (float64 for float64 inputs), a new tensor
-        (differentiable; the inputs are not modified).
+        `(out, lse)`: the merged state, float32 (float64 for float64 inputs): new tensors
+        (differentiable; the inputs are not modified), or the updated `out`, `lse` with `inplace=True`.
     """
     _check_state(block_out, block_lse, "update_out_and_lse (block)")
     acc = lse_dtype(block_out.dtype)
@@ -137,4 +181,36 @@ def update_out_and_lse(
     _check_state(out, lse, "update_out_and_lse (state)")
     if out.shape != block_out.shape:
         raise ValueError(f"update_out_and_lse: state {tuple(out.shape)} and block {tuple(block_out.shape)} differ")
+    tensors = (out, lse, block_out, block_lse)
+    if inplace:
+        if out.dtype not in (torch.float32, torch.float64) or lse.dtype not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"update_out_and_lse(inplace=True): the state must be float32/float64, got out {out.dtype}, lse {lse.dtype}"
+            )
+        kernel = _kernel_for(tensors, [out, block_out], [lse, block_lse], out, lse)
+        if kernel is not None:
+            return kernel.update_state_(out, lse, block_out, block_lse)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            # merge from copies: the custom backward needs the old state, which copy_ overwrites
+            new_out, new_lse = _MergeStates.apply(2, out.clone(), block_out, lse.clone(), block_lse)
+        else:
+            new_out, new_lse = _merge2_math(out, lse, block_out, block_lse)
+        out.copy_(new_out)
+        lse.copy_(new_lse)
+        return out, lse
+    if out.is_cuda and out.dtype == torch.float32 and lse.dtype == torch.float32:
+        dst = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        dst_lse = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+        kernel = _kernel_for(tensors, [out, block_out], [lse, block_lse], dst, dst_lse)
+        if kernel is not None:
+            return kernel.merge_states([out, block_out], [lse, block_lse], dst, dst_lse)
     return _MergeStates.apply(2, out, block_out, lse, block_lse)
+
+
+def _merge2_math(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two-state merge without autograd bookkeeping, in the wider of the state dtypes."""
+    acc = torch.promote_types(torch.promote_types(out.dtype, lse.dtype), torch.float32)
+    w, merged = merge_weights(torch.stack([lse.to(acc), block_lse.to(acc)]))
+    return _lse_to_out_layout(w[0]) * out.to(acc) + _lse_to_out_layout(w[1]) * block_out.to(acc), merged

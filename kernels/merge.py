@@ -1,0 +1,300 @@
+"""Fused merge of attention states `(out, lse)` (DESIGN §3) in one pass over memory.
+
+Merging is memory-bound: per row it does a handful of exps over `headdim` values it only reads once.
+The eager PyTorch merge makes several passes (stack, amax, exp, sum, log, scale, add) and reaches about
+a fifth of the device copy bandwidth; this kernel reads every input once and writes every output
+once, so it can approach the copy rate.
+
+Layout: a state is `out` `[B, S, H, D]` (any float dtype, last dim contiguous, other strides free, so
+`buf[:, half:]` views of a ring buffer work) with `lse` `[B, H, S]` float32 (any strides). Programs
+walk rows `r = s * H + h` of one batch entry, so that for the usual `[B, S, H, D]` layout a tile of
+rows is one contiguous stretch of memory.
+
+Math per row (DESIGN §3): `m = max_i lse_i` (0 where every state is `-inf`), `w_i = exp(lse_i - m)`,
+`t = sum_i w_i`, `lse = m + log(t)` (`-inf` where `t == 0`), `out = sum_i (w_i / t) * out_i`; a state
+of weight exactly 0 contributes exactly 0 (even if its `out` holds garbage), so all-`-inf` rows come out
+`(0, -inf)`. Subtracting `m` keeps lse values of +-1e4 finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+# states merged by one launch; merge_states chains launches for more
+MAX_STATES_PER_LAUNCH = 4
+
+
+@triton.jit
+def _load_lse(L, b, hh, s, sb, sh, ss, row_ok):
+    return tl.load(L + b * sb + hh * sh + s * ss, mask=row_ok, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _load_out(O, b, hh, s, sb, ss, sh, cols, mask):
+    row_off = b * sb + s * ss + hh * sh
+    return tl.load(O + row_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _weighted(w, t_safe, o):
+    # a weight of exactly 0 must contribute exactly 0 (never 0 * nan), hence the where
+    wn = (w / t_safe)[:, None]
+    return tl.where(wn > 0, wn * o, 0.0)
+
+
+@triton.jit
+def _merge_states_kernel(
+    O0, O1, O2, O3,
+    L0, L1, L2, L3,
+    OUT, LSE_OUT,
+    n_heads, n_rows,
+    o0_sb, o0_ss, o0_sh, o1_sb, o1_ss, o1_sh, o2_sb, o2_ss, o2_sh, o3_sb, o3_ss, o3_sh,
+    l0_sb, l0_sh, l0_ss, l1_sb, l1_sh, l1_ss, l2_sb, l2_sh, l2_ss, l3_sb, l3_sh, l3_ss,
+    out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss,
+    N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    # int64 offsets: a [1, 128K, 32, 128] state already has 2^29 elements per tensor
+    s = (rows // n_heads).to(tl.int64)
+    hh = (rows % n_heads).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    if BLOCK_D == D:
+        mask = row_ok[:, None]  # uniform along d, so loads stay vectorised
+    else:
+        mask = row_ok[:, None] & (cols < D)[None, :]
+
+    # issue every load before any math so that all of them are in flight together
+    l0 = _load_lse(L0, b, hh, s, l0_sb, l0_sh, l0_ss, row_ok)
+    o0 = _load_out(O0, b, hh, s, o0_sb, o0_ss, o0_sh, cols, mask)
+    if N > 1:
+        l1 = _load_lse(L1, b, hh, s, l1_sb, l1_sh, l1_ss, row_ok)
+        o1 = _load_out(O1, b, hh, s, o1_sb, o1_ss, o1_sh, cols, mask)
+    if N > 2:
+        l2 = _load_lse(L2, b, hh, s, l2_sb, l2_sh, l2_ss, row_ok)
+        o2 = _load_out(O2, b, hh, s, o2_sb, o2_ss, o2_sh, cols, mask)
+    if N > 3:
+        l3 = _load_lse(L3, b, hh, s, l3_sb, l3_sh, l3_ss, row_ok)
+        o3 = _load_out(O3, b, hh, s, o3_sb, o3_ss, o3_sh, cols, mask)
+
+    m = l0
+    if N > 1:
+        m = tl.maximum(m, l1)
+    if N > 2:
+        m = tl.maximum(m, l2)
+    if N > 3:
+        m = tl.maximum(m, l3)
+    # rows where every state is -inf: shift by 0 so that every exp below is exp(-inf) = 0, not nan
+    m = tl.where(m == float("-inf"), 0.0, m)
+
+    w0 = tl.exp(l0 - m)
+    t = w0
+    if N > 1:
+        w1 = tl.exp(l1 - m)
+        t = t + w1
+    if N > 2:
+        w2 = tl.exp(l2 - m)
+        t = t + w2
+    if N > 3:
+        w3 = tl.exp(l3 - m)
+        t = t + w3
+    nonempty = t > 0
+    t_safe = tl.where(nonempty, t, 1.0)
+    lse = tl.where(nonempty, m + tl.log(t_safe), float("-inf"))
+
+    acc = _weighted(w0, t_safe, o0)
+    if N > 1:
+        acc = acc + _weighted(w1, t_safe, o1)
+    if N > 2:
+        acc = acc + _weighted(w2, t_safe, o2)
+    if N > 3:
+        acc = acc + _weighted(w3, t_safe, o3)
+
+    if IN_PLACE:
+        # an output aliases an input: lse values are replicated across threads, so without this
+        # barrier a fast warp could overwrite an lse that a slower warp has not loaded yet
+        tl.debug_barrier()
+    out_off = b * out_sb + s * out_ss + hh * out_sh
+    tl.store(OUT + out_off[:, None] + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(LSE_OUT + b * lo_sb + hh * lo_sh + s * lo_ss, lse, mask=row_ok)
+
+
+KERNEL_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _flat_out(x: torch.Tensor) -> torch.Tensor:
+    """`[..., S, H, D]` -> a `[B, S, H, D]` view (leading dims collapsed without copying)."""
+    *_, s, h, d = x.shape
+    return x.view(-1, s, h, d)
+
+
+def _flat_lse(x: torch.Tensor) -> torch.Tensor:
+    *_, h, s = x.shape
+    return x.view(-1, h, s)
+
+
+def default_config(head_dim: int, n_states: int) -> tuple[int, int]:
+    """`(block_rows, num_warps)` used when the caller gives none.
+
+    About 4K elements per state per program keeps enough bytes in flight per SM for a streaming kernel
+    without spilling registers (each program holds one fp32 tile per state).
+    """
+    block_d = triton.next_power_of_2(head_dim)
+    target = 4096 if n_states <= 2 else 2048
+    block_rows = max(1, target // block_d)
+    return block_rows, (8 if block_rows * block_d >= 4096 else 4)
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _launch(
+    outs: Sequence[torch.Tensor],
+    lses: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_rows: int | None,
+    num_warps: int | None,
+) -> None:
+    n = len(outs)
+    o4 = [_flat_out(x) for x in outs]
+    l4 = [_flat_lse(x) for x in lses]
+    out4, lse4 = _flat_out(out), _flat_lse(lse)
+    batch, seqlen, nheads, head_dim = out4.shape
+    n_rows = seqlen * nheads
+    if batch == 0 or n_rows == 0 or head_dim == 0:
+        return
+    default_rows, default_warps = default_config(head_dim, n)
+    block_rows = default_rows if block_rows is None else block_rows
+    num_warps = default_warps if num_warps is None else num_warps
+    # unused slots repeat state 0; the kernel never touches them (N is a compile-time constant)
+    o_args = o4 + [o4[0]] * (MAX_STATES_PER_LAUNCH - n)
+    l_args = l4 + [l4[0]] * (MAX_STATES_PER_LAUNCH - n)
+    o_strides = [st for x in o_args for st in (x.stride(0), x.stride(1), x.stride(2))]
+    l_strides = [st for x in l_args for st in (x.stride(0), x.stride(1), x.stride(2))]
+    in_place = any(_shares_memory(dst, src) for dst in (out, lse) for src in (*outs, *lses))
+    grid = (triton.cdiv(n_rows, block_rows), batch)
+    _merge_states_kernel[grid](
+        *o_args, *l_args, out4, lse4,
+        nheads, n_rows,
+        *o_strides, *l_strides,
+        out4.stride(0), out4.stride(1), out4.stride(2),
+        lse4.stride(0), lse4.stride(1), lse4.stride(2),
+        N=n, D=head_dim, BLOCK_R=block_rows, BLOCK_D=triton.next_power_of_2(head_dim),
+        IN_PLACE=in_place, num_warps=num_warps,
+    )
+
+
+def check_kernel_inputs(
+    outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], out: torch.Tensor, lse: torch.Tensor
+) -> str | None:
+    """Why `merge_states` cannot take these tensors, or None when it can."""
+    shape = tuple(out.shape)
+    if len(shape) < 3:
+        return f"out must be [..., seqlen, nheads, headdim], got {shape}"
+    lse_shape = (*shape[:-3], shape[-2], shape[-3])
+    for i, (o, l) in enumerate(zip(outs, lses)):
+        if tuple(o.shape) != shape or tuple(l.shape) != lse_shape:
+            return f"state {i} has shapes {tuple(o.shape)}, {tuple(l.shape)}; expected {shape}, {lse_shape}"
+        if o.dtype not in KERNEL_OUT_DTYPES or l.dtype != torch.float32:
+            return f"state {i}: out {o.dtype} / lse {l.dtype} (need fp16/bf16/fp32 out and fp32 lse)"
+    if out.dtype not in KERNEL_OUT_DTYPES or lse.dtype != torch.float32:
+        return f"output out {out.dtype} / lse {lse.dtype} (need fp16/bf16/fp32 out and fp32 lse)"
+    if tuple(lse.shape) != lse_shape:
+        return f"output lse has shape {tuple(lse.shape)}, expected {lse_shape}"
+    devices = {t.device for t in (*outs, *lses, out, lse)}
+    if len(devices) != 1:
+        return f"tensors on several devices: {sorted(map(str, devices))}"
+    for t in (*outs, out):
+        if t.numel() and t.stride(-1) != 1:
+            return "the head dim of every out must be contiguous (stride 1)"
+    for t in (*outs, out):
+        try:
+            _flat_out(t)
+        except RuntimeError:
+            return "the leading dims of an out cannot be viewed as one batch dim"
+    for t in (*lses, lse):
+        try:
+            _flat_lse(t)
+        except RuntimeError:
+            return "the leading dims of an lse cannot be viewed as one batch dim"
+    return None
+
+
+def merge_states(
+    outs: Sequence[torch.Tensor],
+    lses: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge N attention states into `(out, lse)`, reading each input once and writing each output once.
+
+    Args:
+        outs: N >= 1 tensors `[..., S, H, D]`, fp16/bf16/fp32, head dim contiguous (other strides free).
+        lses: N tensors `[..., H, S]` float32 (any strides).
+        out: destination `[..., S, H, D]`, fp16/bf16/fp32; may be `outs[0]` itself (in-place update).
+        lse: destination `[..., H, S]` float32; may be `lses[0]` itself.
+        block_rows, num_warps: launch configuration (defaults from `default_config`).
+
+    Returns:
+        `(out, lse)`, the destinations, holding `lse = logsumexp_i lse_i` and
+        `out = sum_i exp(lse_i - lse) * out_i` (`(0, -inf)` where every state is `-inf`).
+
+    More than four states take several launches through a float32 intermediate state.
+    """
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ValueError(f"merge_states: need as many lses as outs (>= 1), got {len(outs)} and {len(lses)}")
+    reason = check_kernel_inputs(outs, lses, out, lse)
+    if reason is not None:
+        raise ValueError(f"merge_states: {reason}")
+    outs, lses = list(outs), list(lses)
+    k = MAX_STATES_PER_LAUNCH
+    if len(outs) <= k:
+        _launch(outs, lses, out, lse, block_rows, num_warps)
+        return out, lse
+    # chain: merge the first four into a float32 state, then fold the rest in three at a time
+    acc_out = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    acc_lse = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+    _launch(outs[:k], lses[:k], acc_out, acc_lse, block_rows, num_warps)
+    i = k
+    while len(outs) - i > k - 1:
+        _launch([acc_out, *outs[i : i + k - 1]], [acc_lse, *lses[i : i + k - 1]], acc_out, acc_lse, block_rows, num_warps)
+        i += k - 1
+    _launch([acc_out, *outs[i:]], [acc_lse, *lses[i:]], out, lse, block_rows, num_warps)
+    return out, lse
+
+
+def update_state_(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_out: torch.Tensor,
+    block_lse: torch.Tensor,
+    *,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge one block state into the running state `(out, lse)` in place (see `merge_states`).
+
+    Args:
+        out: running state `[..., S, H, D]` (float32 as a rule), updated in place.
+        lse: its lse `[..., H, S]` float32, updated in place.
+        block_out: `[..., S, H, D]` fp16/bf16/fp32; block_lse: `[..., H, S]` float32.
+
+    Returns:
+        `(out, lse)`.
+    """
+    return merge_states([out, block_out], [lse, block_lse], out, lse, block_rows=block_rows, num_warps=num_warps)
