@@ -7,16 +7,23 @@ needs neither Triton nor a GPU: kernels load when first used.
 
 from ringlse.api import attention, block_attention
 from ringlse.backends import available_backends, get_block_op
+from ringlse.chunked import chunked_attention
+from ringlse.layouts import shard, unshard
 from ringlse.merge import merge_attn_states, update_out_and_lse
 from ringlse.reference import reference_attention
+from ringlse.ring import ring_attention
 
 __all__ = [
     "attention",
     "available_backends",
     "block_attention",
+    "chunked_attention",
     "get_block_op",
     "merge_attn_states",
     "reference_attention",
+    "ring_attention",
+    "shard",
+    "unshard",
     "update_out_and_lse",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,174 @@
+"""Sequence layouts across W ranks (DESIGN §5), `shard`/`unshard`, and the per-step block plan.
+
+A layout says which global positions each rank holds. Every layout keeps a rank's positions
+increasing in local index, as one or two runs of a fixed stride; the ring only needs those runs
+(`segments`) to turn the causal rule into block calls with local offsets (`plan_step`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ringlse.positions import BlockKind, block_kind
+
+LAYOUTS = ("contiguous", "zigzag", "stripe")
+
+
+def default_layout(causal: bool) -> str:
+    """zigzag balances causal work; contiguous is simplest otherwise."""
+    return "zigzag" if causal else "contiguous"
+
+
+def check_layout(layout: str, seqlen: int, world: int) -> None:
+    """Raise ValueError unless a sequence of `seqlen` tokens splits over `world` ranks in `layout`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    parts = 2 * world if layout == "zigzag" else world
+    if seqlen % parts:
+        raise ValueError(
+            f"sequence length {seqlen} does not divide over W={world} ranks in the {layout!r} layout "
+            f"(needs a multiple of {parts}{' = 2W' if layout == 'zigzag' else ' = W'})"
+        )
+
+
+class Segment(NamedTuple):
+    """Local rows `[local_start, local_start + length)` hold global positions
+    `global_start, global_start + stride, ...`."""
+
+    local_start: int
+    length: int
+    global_start: int
+    stride: int
+
+
+def segments(layout: str, rank: int, world: int, n_local: int) -> list[Segment]:
+    if layout == "contiguous":
+        return [Segment(0, n_local, rank * n_local, 1)]
+    if layout == "zigzag":
+        c = n_local // 2
+        return [Segment(0, c, rank * c, 1), Segment(c, c, (2 * world - 1 - rank) * c, 1)]
+    if layout == "stripe":
+        return [Segment(0, n_local, rank, world)]
+    raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+
+
+def local_positions(layout: str, rank: int, world: int, n_local: int) -> torch.Tensor:
+    """Global positions held by `rank`, in local order: `[n_local]` int64."""
+    return torch.cat([
+        s.global_start + s.stride * torch.arange(s.length) for s in segments(layout, rank, world, n_local)
+    ])
+
+
+class BlockCall(NamedTuple):
+    """Attend local queries `[q0, q1)` to the held keys `[k0, k1)`; `q_start`/`k_start` are in the
+    local index space of the two slices (see `plan_step`)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+    q_start: int
+    k_start: int
+
+
+def plan_step(layout: str, rank: int, src: int, world: int, n_local: int, causal: bool) -> list[BlockCall]:
+    """The block calls that attend `rank`'s queries to the keys of rank `src`, empty blocks left out.
+
+    Two runs of stride `d` starting at global `gq`, `gk` compare as `gk + j*d <= gq + i*d`, i.e.
+    `j <= i + floor((gq - gk) / d)`: a causal block with `q_start = floor((gq - gk) / d)`, `k_start = 0`
+    in local indices. (For stripe this is DESIGN §4's `k_start = 1` when `src` is after `rank`.)
+    """
+    if not causal:
+        return [BlockCall(0, n_local, 0, n_local, False, 0, 0)]
+    if src == rank:
+        # same positions on both sides, increasing in local index: pos_j <= pos_i  <=>  j <= i
+        return [BlockCall(0, n_local, 0, n_local, True, 0, 0)]
+    qsegs, ksegs = segments(layout, rank, world, n_local), segments(layout, src, world, n_local)
+    pairs = []
+    for qs in qsegs:
+        for ks in ksegs:
+            offset = (qs.global_start - ks.global_start) // qs.stride
+            pairs.append((qs, ks, offset, block_kind(qs.length, ks.length, offset, 0, True)))
+    if any(kind is BlockKind.PARTIAL for *_, kind in pairs):
+        return [
+            BlockCall(qs.local_start, qs.local_start + qs.length, ks.local_start, ks.local_start + ks.length,
+                      True, offset, 0)
+            for qs, ks, offset, kind in pairs if kind is not BlockKind.EMPTY
+        ]
+    # Only full and empty pairs: give each query run its visible keys as one range, then join
+    # neighbouring query runs that see the same range (zigzag off-diagonal steps become one call).
+    calls: list[BlockCall] = []
+    for qs in qsegs:
+        seen = [ks for q, ks, _, kind in pairs if q == qs and kind is BlockKind.FULL]
+        if not seen:
+            continue
+        k0, k1 = seen[0].local_start, seen[-1].local_start + seen[-1].length
+        if sum(ks.length for ks in seen) != k1 - k0:  # not one range: one call per key run
+            calls += [BlockCall(qs.local_start, qs.local_start + qs.length, ks.local_start,
+                                ks.local_start + ks.length, False, 0, 0) for ks in seen]
+            continue
+        last = calls[-1] if calls else None
+        if last is not None and (last.k0, last.k1) == (k0, k1) and last.q1 == qs.local_start:
+            calls[-1] = last._replace(q1=qs.local_start + qs.length)
+        else:
+            calls.append(BlockCall(qs.local_start, qs.local_start + qs.length, k0, k1, False, 0, 0))
+    return calls
+
+
+def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialized")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard(x: torch.Tensor, layout: str, dim: int = 1, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """This rank's part of a full sequence held by every rank.
+
+    Args:
+        x: the full tensor (same on every rank); sequence along `dim` of length S.
+        layout: `contiguous`, `zigzag` or `stripe`.
+        dim: the sequence dimension.
+        group: process group (default: the world; without torch.distributed, one rank).
+
+    Returns:
+        The local shard, length `S / W` along `dim` (a contiguous tensor).
+
+    Raises:
+        ValueError: S does not divide over W in `layout` (before any communication).
+    """
+    rank, world = _group_info(group)
+    seqlen = x.shape[dim]
+    check_layout(layout, seqlen, world)
+    n = seqlen // world
+    pos = local_positions(layout, rank, world, n).to(x.device)
+    return x.index_select(dim, pos)
+
+
+def unshard(x_local: torch.Tensor, layout: str, dim: int = 1, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Gather every rank's shard and put the tokens back in sequence order (inverse of `shard`).
+
+    Args:
+        x_local: this rank's shard, length `n` along `dim` (same shape on every rank).
+        layout, dim, group: as in `shard`.
+
+    Returns:
+        The full tensor, length `n * W` along `dim`, on every rank.
+    """
+    rank, world = _group_info(group)
+    n = x_local.shape[dim]
+    check_layout(layout, n * world, world)
+    if world == 1:
+        return x_local.clone()
+    parts = [torch.empty_like(x_local, memory_format=torch.contiguous_format) for _ in range(world)]
+    dist.all_gather(parts, x_local.contiguous(), group=group)
+    gathered = torch.cat(parts, dim=dim)
+    pos = torch.cat([local_positions(layout, r, world, n) for r in range(world)]).to(x_local.device)
+    out = torch.empty_like(gathered)
+    out.index_copy_(dim, pos, gathered)
+    return out

@@ -1,0 +1,86 @@
+"""Ring attention on spawned gloo ranks vs the float64 reference on the unsharded sequence.
+
+One spawn per world size runs a whole battery of cases (spawning costs seconds on 2 cores)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import ringlse
+import ring_workers as rw
+from dist_harness import run_ranks
+
+LAYOUTS = ("contiguous", "zigzag", "stripe")
+
+
+def _cases(world: int) -> list[dict]:
+    cases = []
+    unit = 2 * world  # every layout divides
+    # float64: exact, every layout x causal, MHA and GQA, head dim 80, an odd-ish local length
+    for layout, causal in itertools.product(LAYOUTS, (False, True)):
+        cases.append(dict(b=2, s=unit * 3, h=6, hkv=2, d=80, dtype=torch.float64, causal=causal, layout=layout, seed=1))
+    cases.append(dict(b=1, s=unit * 5, h=4, hkv=4, d=16, dtype=torch.float64, causal=True, layout="zigzag", seed=2,
+                      non_contiguous=True))
+    cases.append(dict(b=1, s=unit * 4, h=4, hkv=1, d=32, dtype=torch.float64, causal=True, layout="stripe", seed=3))
+    # bfloat16 by the DESIGN §7 rule
+    for layout in LAYOUTS:
+        cases.append(dict(b=1, s=unit * 8, h=4, hkv=2, d=64, dtype=torch.bfloat16, causal=True, layout=layout, seed=4))
+    cases.append(dict(b=1, s=unit * 8, h=4, hkv=2, d=64, dtype=torch.bfloat16, causal=False, layout="contiguous", seed=5))
+    return cases
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4], ids=lambda w: f"W{w}")
+def test_ring_matches_reference(world, tmp_path):
+    cases = _cases(world)
+    per_rank = run_ranks(rw.battery, world, tmp_path, cases, timeout=300)
+    for case, result in zip(cases, per_rank[0]):
+        for name, ok, text in result["verdicts"]:
+            assert ok, f"W={world} {case}: {text}"
+    assert all(r is None for rank_results in per_rank[1:] for r in rank_results)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4], ids=lambda w: f"W{w}")
+def test_bad_inputs_raise_on_every_rank(world, tmp_path):
+    per_rank = run_ranks(rw.expect_value_errors, world, tmp_path, 3, timeout=120)
+    for rank, results in enumerate(per_rank):
+        for name, raised, message in results:
+            assert raised, f"W={world} rank {rank}: {name}: {message}"
+    # messages say what is wrong
+    messages = dict((n, m) for n, _, m in per_rank[0])
+    assert "zigzag" in messages["zigzag odd local length"] and str(3 * world) in messages["zigzag odd local length"]
+    assert "dtype" in messages["dtype mismatch"]
+    assert "multiple of nheads_kv" in messages["heads not divisible"]
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"W{w}")
+def test_shard_unshard_roundtrip(world, tmp_path):
+    assert all(run_ranks(rw.shard_roundtrip, world, tmp_path, timeout=120))
+
+
+def test_error_does_not_grow_with_world_size(tmp_path):
+    """bf16: the ring's max error at W = 4 is at most 1.25x its error at W = 1 (same inputs)."""
+    case = dict(b=1, s=64, h=4, hkv=2, d=64, dtype=torch.bfloat16, causal=True, layout="zigzag", seed=11)
+    w4 = run_ranks(rw.battery, 4, tmp_path, [case], timeout=300)[0][0]["max_err"]
+    w1 = rw.check_case(0, 1, case)["max_err"]
+    for name in rw.NAMES:
+        assert w4[name] <= 1.25 * w1[name] + 1e-6, f"{name}: W=4 {w4[name]:.3e} vs W=1 {w1[name]:.3e}"
+
+
+def test_ring_single_process_without_distributed():
+    """No process group: the ring is a single rank (W = 1)."""
+    q, k, v, dout, dlse = rw._full_inputs(1, 33, 3, 1, 24, torch.float64, seed=5)
+    for causal in (False, True):
+        ours = rw.ring_run(q, k, v, dout, dlse, causal=causal, layout="contiguous", use_lse_grad=True)
+        ref = rw.reference_run(q, k, v, dout, dlse, causal=causal, use_lse_grad=True)
+        for name, a, b in zip(rw.NAMES, ours, ref):
+            torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+
+
+def test_layout_errors_name_length_world_and_layout():
+    with pytest.raises(ValueError, match=r"sequence length 7 .*W=2.*'zigzag'"):
+        ringlse.layouts.check_layout("zigzag", 7, 2)
+    with pytest.raises(ValueError, match="unknown layout"):
+        ringlse.layouts.check_layout("spiral", 8, 2)
