@@ -112,3 +112,54 @@ def assert_judged(name, ours, ref, baseline, dtype, *, is_lse: bool = False) -> 
     v = judge(name, ours, ref, baseline, dtype, is_lse=is_lse)
     assert v.ok, str(v)
     return v
+
+
+RESULT_NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def attention_with_grads(fn, q, k, v, dout, dlse=None, *, upcast: bool, **kwargs) -> tuple[torch.Tensor, ...]:
+    """`(out, lse, dq, dk, dv)` of `fn(q, k, v, **kwargs) -> (out, lse)` for the loss
+    `sum(out * dout) [+ sum(lse * dlse)]`; `upcast=True` differentiates float64 copies of q, k, v (the
+    reference must not round its results back to the input dtype)."""
+    leaves = [(t.detach().double() if upcast else t.detach().clone()).requires_grad_() for t in (q, k, v)]
+    out, lse = fn(*leaves, **kwargs)
+    loss = (out.double() * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (lse.double() * dlse.double()).sum()
+    loss.backward()
+    return out.detach(), lse.detach(), *(t.grad for t in leaves)
+
+
+def ring_with_grads(q, k, v, dout, dlse=None, *, causal: bool, layout: str, backend: str = "auto",
+                    group=None, non_contiguous: bool = False) -> tuple[torch.Tensor, ...]:
+    """Shard full `q, k, v, dout` (same on every rank), run `ring_attention` forward and backward,
+    and gather: the full-sequence `(out, lse, dq, dk, dv)` on every rank."""
+    from ringlse.layouts import shard, unshard
+    from ringlse.ring import ring_attention
+
+    local = [shard(t, layout, group=group) for t in (q, k, v, dout)]
+    if non_contiguous:  # a [b, h, n, d] storage seen as [b, n, h, d]: strided inputs must work
+        local[:3] = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in local[:3]]
+    ql, kl, vl = (t.detach().requires_grad_() for t in local[:3])
+    out, lse = ring_attention(ql, kl, vl, causal=causal, layout=layout, return_lse=True, backend=backend, group=group)
+    loss = (out.double() * local[3].double()).sum()
+    if dlse is not None:
+        loss = loss + (lse.double() * shard(dlse, layout, dim=2, group=group).double()).sum()
+    loss.backward()
+
+    def gather(t, dim=1):
+        return unshard(t.detach(), layout, dim=dim, group=group)
+
+    return gather(out), gather(lse, 2), gather(ql.grad), gather(kl.grad), gather(vl.grad)
+
+
+def judge_all(ours, q, k, v, dout, dlse=None, *, causal: bool) -> list[Verdict]:
+    """Judge full-sequence `(out, lse, dq, dk, dv)` against the float64 reference (and, for bf16/fp16,
+    the naive in-dtype baseline) by DESIGN §7."""
+    from ringlse.reference import reference_attention
+
+    kw = dict(causal=causal, q_start=0, k_start=0)
+    ref = attention_with_grads(reference_attention, q, k, v, dout, dlse, upcast=True, **kw)
+    low = q.dtype in (torch.bfloat16, torch.float16)
+    base = attention_with_grads(naive_attention, q, k, v, dout, dlse, upcast=False, **kw) if low else [None] * 5
+    return [judge(n, a, r, b_, q.dtype, is_lse=n == "lse") for n, a, r, b_ in zip(RESULT_NAMES, ours, ref, base)]

@@ -12,6 +12,7 @@ import torch
 import ringlse
 import ring_workers as rw
 from dist_harness import run_ranks
+from ringlse.testing import attention_with_grads, ring_with_grads
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 
@@ -73,8 +74,9 @@ def test_ring_single_process_without_distributed():
     """No process group: the ring is a single rank (W = 1)."""
     q, k, v, dout, dlse = rw._full_inputs(1, 33, 3, 1, 24, torch.float64, seed=5)
     for causal in (False, True):
-        ours = rw.ring_run(q, k, v, dout, dlse, causal=causal, layout="contiguous", use_lse_grad=True)
-        ref = rw.reference_run(q, k, v, dout, dlse, causal=causal, use_lse_grad=True)
+        ours = ring_with_grads(q, k, v, dout, dlse, causal=causal, layout="contiguous", backend="torch")
+        ref = attention_with_grads(ringlse.reference_attention, q, k, v, dout, dlse, upcast=True,
+                                   causal=causal, q_start=0, k_start=0)
         for name, a, b in zip(rw.NAMES, ours, ref):
             torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
 
