@@ -1,0 +1,463 @@
+"""Triton backward block attention: `delta = rowsum(dout * out)`, then dk/dv and dq kernels.
+
+Both gradient kernels recompute `P = exp(S - lse)` from the *global* lse (the ring reuses it for every
+block), so a block's gradients are its exact share of the full attention's gradients:
+    dV += P^T dO,   dS = P * (dO V^T - delta),   dQ += scale * dS K,   dK += scale * dS^T Q.
+- dk/dv: one program per key tile of one kv head; it loops over the query heads of its GQA group and
+  the query tiles that can see its keys, so it owns its dk/dv tile (no atomics, deterministic).
+- dq: one program per query tile of one head, walking the key tiles like the forward.
+Both split their loops like the forward: tiles entirely inside the causal boundary run unmasked; only
+the boundary tiles mask; invisible tiles are never visited. Rows whose lse is -inf (they see no key
+anywhere) get P = 0 by treating their lse as +inf. Results are added into float32 accumulators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ringlse.kernels.attention_fwd import (
+    LOG2E,
+    block_d,
+    check_dtype,
+    check_qkv_shapes,
+    interpreting,
+    last_dim_contiguous,
+    launch_with_fallback,
+)
+from ringlse.positions import BlockKind, block_kind
+
+
+@triton.jit
+def _delta_kernel(
+    DO, O, Delta,
+    stride_dob, stride_dos, stride_doh,
+    stride_ob, stride_os, stride_oh,
+    H, SQ,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Grid `(cdiv(SQ, BLOCK_M), B * H)`; Delta is a contiguous `[B, H, SQ]` float32."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < SQ)[:, None] & (offs_d < HEAD_D)[None, :]
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
+                 mask=mask, other=0.0)
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+                mask=mask, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(Delta + pid_bh.to(tl.int64) * SQ + offs_m, delta, mask=offs_m < SQ)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v,
+    q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qm, stride_dom, stride_lm,
+    offs_n, lo, hi, SQ, OFFSET, qk_scale,
+    BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Accumulate one query head's query tiles `[lo, hi)` into this key tile's dk/dv (transposed
+    formulation: `[BLOCK_N, BLOCK_M]` score tiles, so nothing but the loaded tiles gets transposed).
+    `q_ptrs` is a `[BLOCK_D, BLOCK_M]` (transposed) tile at query 0, `do_ptrs` `[BLOCK_M, BLOCK_D]`."""
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_D
+    q_ptrs += lo * stride_qm
+    do_ptrs += lo * stride_dom
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        m_ok = offs_m < SQ
+        qt = tl.load(q_ptrs, mask=m_ok[None, :] & d_ok[:, None], other=0.0)
+        # rows past SQ and rows that see nothing anywhere (lse -inf): lse -> +inf makes P exactly 0
+        lse = tl.load(lse_ptr + offs_m * stride_lm, mask=m_ok, other=float("-inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        st = tl.dot(k, qt)
+        pt = tl.math.exp2(st * qk_scale - lse2[None, :])
+        if MASKED:
+            pt = tl.where(offs_n[:, None] <= offs_m[None, :] + OFFSET, pt, 0.0)
+        do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        dv = tl.dot(pt.to(do.dtype), do, dv)
+        delta = tl.load(delta_ptr + offs_m * stride_lm, mask=m_ok, other=0.0)
+        dpt = tl.dot(v, tl.trans(do))
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
+        q_ptrs += BLOCK_M * stride_qm
+        do_ptrs += BLOCK_M * stride_dom
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh, stride_ls,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    HKV, GROUP, SQ, SK, OFFSET, qk_scale, dk_scale,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Grid `(cdiv(SK, BLOCK_N), B * HKV)`. Delta shares Lse's strides (both `[B, H, SQ]`)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // HKV).to(tl.int64)
+    off_hk = (pid_bh % HKV).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (offs_n < SK)[:, None] & (offs_d < HEAD_D)[None, :]
+    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    if CAUSAL:
+        # query i sees key j iff j <= i + OFFSET: rows before n0 - OFFSET see none of these keys;
+        # rows from (last real key) - OFFSET on see all of them
+        m_lo = (tl.maximum(n0 - OFFSET, 0) // BLOCK_M) * BLOCK_M
+        last_unmasked = tl.minimum(n0 + BLOCK_N, SK) - 1 - OFFSET
+        m_full = tl.where(last_unmasked > 0, tl.cdiv(last_unmasked, BLOCK_M) * BLOCK_M, 0)
+        m_full = tl.minimum(tl.maximum(m_full, m_lo), SQ)
+    else:
+        m_lo = 0
+        m_full = 0
+
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for g in range(GROUP):
+        off_h = off_hk * GROUP + g
+        q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m0[None, :] * stride_qs + offs_d[:, None]
+        do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_m0[:, None] * stride_dos + offs_d[None, :]
+        lse_ptr = Lse + off_b * stride_lb + off_h * stride_lh
+        delta_ptr = Delta + off_b * stride_lb + off_h * stride_lh
+        if CAUSAL:
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_ls,
+                offs_n, m_lo, m_full, SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, True,
+            )
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_ls,
+            offs_n, m_full, SQ, SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, False,
+        )
+
+    # dS was computed for scores already scaled; the chain rule through S = scale * q k^T adds it here
+    dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :]
+    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :]
+    tl.store(dk_ptrs, tl.load(dk_ptrs, mask=kv_mask, other=0.0) + dk * dk_scale, mask=kv_mask)
+    tl.store(dv_ptrs, tl.load(dv_ptrs, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse2, delta,
+    k_ptrs, v_ptrs, stride_kn, stride_vn,
+    offs_m, lo, hi, SK, OFFSET, qk_scale,
+    BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Accumulate key tiles `[lo, hi)` into this query tile's dq. `k_ptrs` is a `[BLOCK_N, BLOCK_D]`
+    tile at key 0 and `v_ptrs` a `[BLOCK_D, BLOCK_N]` (transposed) one."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_D
+    k_ptrs += lo * stride_kn
+    v_ptrs += lo * stride_vn
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        if MASKED:
+            n_ok = offs_n < SK
+            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            vt = tl.load(v_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        elif BLOCK_D != HEAD_D:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            vt = tl.load(v_ptrs, mask=d_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            vt = tl.load(v_ptrs)
+        s = tl.dot(q, tl.trans(k))
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        if MASKED:
+            visible = n_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, vt)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh, stride_ls,
+    stride_dqb, stride_dqs, stride_dqh,
+    H, GROUP, SQ, SK, OFFSET, qk_scale, dq_scale,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Grid `(cdiv(SQ, BLOCK_M), B * H)`."""
+    num_m = tl.num_programs(0)
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = num_m - 1 - pid_m  # longest rows first (see the forward)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = pid_bh % H
+    off_hk = (off_h // GROUP).to(tl.int64)
+    off_h = off_h.to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < SQ
+    md_mask = m_ok[:, None] & (offs_d < HEAD_D)[None, :]
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                mask=md_mask, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
+                 mask=md_mask, other=0.0)
+    lse = tl.load(Lse + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ls, mask=m_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(Delta + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ls, mask=m_ok, other=0.0)
+
+    k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + tl.arange(0, BLOCK_N)[None, :] * stride_vs + offs_d[:, None]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    n_even = (SK // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        n_hi = tl.maximum(tl.minimum(SK, m0 + BLOCK_M + OFFSET), 0)
+        first_sees = m0 + OFFSET + 1
+        n_full = tl.where(first_sees > 0, (first_sees // BLOCK_N) * BLOCK_N, 0)
+        n_full = tl.minimum(n_full, n_even)
+    else:
+        n_hi = SK
+        n_full = n_even
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, 0, n_full, SK, OFFSET,
+                   qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, False)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, n_full, n_hi, SK, OFFSET,
+                   qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, True)
+
+    dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
+    tl.store(dq_ptrs, tl.load(dq_ptrs, mask=md_mask, other=0.0) + dq * dq_scale, mask=md_mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# launchers
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tiles of the dk/dv kernel (`kv_block_n` keys x `kv_block_m` queries per step) and of the dq
+    kernel (`q_block_m` queries x `q_block_n` keys per step)."""
+
+    kv_block_n: int
+    kv_block_m: int
+    kv_warps: int
+    kv_stages: int
+    q_block_m: int
+    q_block_n: int
+    q_warps: int
+    q_stages: int
+
+
+# (block_d, dtype, causal) -> BwdConfig chosen by timing (benchmarks/block_attention.py --sweep)
+BWD_TUNED: dict[tuple[int, torch.dtype, bool], BwdConfig] = {}
+_DKDV_CHOSEN: dict[tuple, BwdConfig] = {}
+_DQ_CHOSEN: dict[tuple, BwdConfig] = {}
+
+
+def set_tuned_bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, config: BwdConfig) -> None:
+    """Prefer `config` for this head dim/dtype/mask from now on (e.g. the winner of a sweep)."""
+    BWD_TUNED[(block_d(head_dim), dtype, causal)] = config
+    _DKDV_CHOSEN.clear()
+    _DQ_CHOSEN.clear()
+
+
+def bwd_configs(head_dim: int, dtype: torch.dtype, causal: bool) -> list[BwdConfig]:
+    """Candidate configs, best first (timed on H200, see benchmarks/NOTES.md); later ones are
+    fallbacks for GPUs with fewer registers/shared memory."""
+    if interpreting():
+        return [BwdConfig(32, 16, 4, 1, 32, 16, 4, 1)]
+    bd = block_d(head_dim)
+    tuned = [BWD_TUNED[(bd, dtype, causal)]] if (bd, dtype, causal) in BWD_TUNED else []
+    if dtype == torch.float32:
+        return tuned + [BwdConfig(64, 32, 4, 2, 64, 32, 4, 2), BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)]
+    if bd <= 64:
+        return tuned + [BwdConfig(128, 64, 8, 3, 128, 64, 8, 3), BwdConfig(64, 64, 4, 2, 64, 64, 4, 2)]
+    if bd <= 128:
+        return tuned + [BwdConfig(128, 64, 8, 2, 128, 64, 8, 2), BwdConfig(64, 64, 4, 2, 64, 64, 4, 2)]
+    return tuned + [BwdConfig(64, 64, 8, 2, 64, 64, 8, 2), BwdConfig(64, 32, 8, 1, 64, 32, 8, 1),
+                    BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)]
+
+
+def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`rowsum(dout * out)` in float32.
+
+    Args:
+        dout, out: `[b, s, h, d]` (any float dtypes, last dim contiguous preferred).
+
+    Returns:
+        delta `[b, h, s]` float32, contiguous.
+    """
+    if dout.shape != out.shape or dout.dim() != 4:
+        raise ValueError(f"attention_delta: dout {tuple(dout.shape)} and out {tuple(out.shape)} must be equal [b, s, h, d]")
+    if dout.dtype == torch.float64 or out.dtype == torch.float64:
+        raise ValueError("attention_delta: float64 is not supported by the Triton kernels; use backend='torch'")
+    dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
+    b, s, h, d = out.shape
+    delta = torch.empty((b, h, s), dtype=torch.float32, device=out.device)
+    if delta.numel() == 0:
+        return delta
+    block_m = 32 if interpreting() else 64
+    grid = (triton.cdiv(s, block_m), b * h)
+    _delta_kernel[grid](
+        dout, out, delta,
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        h, s, HEAD_D=d, BLOCK_D=block_d(d), BLOCK_M=block_m, num_warps=4,
+    )
+    return delta
+
+
+def _check_acc(acc: torch.Tensor, like: torch.Tensor, name: str) -> None:
+    if acc.shape != like.shape or acc.dtype != torch.float32 or acc.device != like.device:
+        raise ValueError(
+            f"attention_backward: {name} must be float32 {tuple(like.shape)} on {like.device}, got "
+            f"{acc.dtype} {tuple(acc.shape)} on {acc.device}"
+        )
+    if acc.stride(-1) != 1:
+        raise ValueError(f"attention_backward: {name} must be contiguous in its last dim (it is updated in place)")
+
+
+def _backward_impl(
+    dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc, *,
+    qk_scale: float, dq_scale: float, dk_scale: float, causal: bool, offset: int,
+    config: BwdConfig | None = None,
+) -> None:
+    """Launch the dk/dv and dq kernels. `delta` must have `lse`'s strides."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    bd = block_d(d)
+
+    def launch_dkdv(cfg: BwdConfig) -> None:
+        grid = (triton.cdiv(sk, cfg.kv_block_n), b * hkv)
+        _attn_bwd_dkdv_kernel[grid](
+            q, k, v, dout, lse, delta, dk_acc, dv_acc,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            lse.stride(0), lse.stride(1), lse.stride(2),
+            dk_acc.stride(0), dk_acc.stride(1), dk_acc.stride(2),
+            dv_acc.stride(0), dv_acc.stride(1), dv_acc.stride(2),
+            hkv, h // hkv, sq, sk, offset, qk_scale, dk_scale,
+            HEAD_D=d, BLOCK_D=bd, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, CAUSAL=causal,
+            num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
+        )
+
+    def launch_dq(cfg: BwdConfig) -> None:
+        grid = (triton.cdiv(sq, cfg.q_block_m), b * h)
+        _attn_bwd_dq_kernel[grid](
+            q, k, v, dout, lse, delta, dq_acc,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            lse.stride(0), lse.stride(1), lse.stride(2),
+            dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
+            h, h // hkv, sq, sk, offset, qk_scale, dq_scale,
+            HEAD_D=d, BLOCK_D=bd, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, CAUSAL=causal,
+            num_warps=cfg.q_warps, num_stages=cfg.q_stages,
+        )
+
+    if config is not None:
+        launch_dkdv(config)
+        launch_dq(config)
+        return
+    key = (d, q.dtype, causal, q.device.index)
+    configs = bwd_configs(d, q.dtype, causal)
+    launch_with_fallback(_DKDV_CHOSEN, key, configs, launch_dkdv)
+    launch_with_fallback(_DQ_CHOSEN, key, configs, launch_dq)
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool,
+    q_start: int,
+    k_start: int,
+    dq_acc: torch.Tensor,
+    dk_acc: torch.Tensor,
+    dv_acc: torch.Tensor,
+) -> None:
+    """Add one block's attention gradients into float32 accumulators (the block-op contract).
+
+    Args:
+        dout: `[b, sq, h, d]` gradient of the global output (any strides, last dim contiguous preferred).
+        q: `[b, sq, h, d]`; k, v: `[b, sk, hkv, d]`; bf16, fp16 or fp32 (fp32 dots in TF32).
+        out: `[b, sq, h, d]` the *global* output (unused here: `delta` already carries it).
+        lse: `[b, h, sq]` float32, the *global* lse (natural log); rows with `-inf` contribute 0.
+        delta: `[b, h, sq]` float32, `rowsum(dout * out)` (minus any lse gradient).
+        softmax_scale, causal, q_start, k_start: as in `attention_forward`.
+        dq_acc: float32 `[b, sq, h, d]`; dk_acc, dv_acc: float32 `[b, sk, hkv, d]` (views allowed);
+            this block's gradients are added in place.
+
+    Raises:
+        ValueError: float64 or other unsupported dtypes, mismatched shapes, bad accumulators.
+    """
+    check_dtype(q, "attention_backward")
+    check_qkv_shapes(q, k, v, "attention_backward")
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    if dout.shape != q.shape:
+        raise ValueError(f"attention_backward: dout {tuple(dout.shape)} must match q {tuple(q.shape)}")
+    if tuple(lse.shape) != (b, h, sq) or tuple(delta.shape) != (b, h, sq):
+        raise ValueError(f"attention_backward: lse and delta must be {(b, h, sq)}, got {tuple(lse.shape)}, {tuple(delta.shape)}")
+    _check_acc(dq_acc, q, "dq_acc")
+    _check_acc(dk_acc, k, "dk_acc")
+    _check_acc(dv_acc, v, "dv_acc")
+    kind = block_kind(sq, sk, q_start, k_start, causal)
+    if kind is BlockKind.EMPTY:
+        return
+    q, k, v, dout = (last_dim_contiguous(t) for t in (q, k, v, dout))
+    if dout.dtype != q.dtype:
+        dout = dout.to(q.dtype)
+    lse = lse.float()
+    # the kernels index delta with lse's strides
+    delta = delta.float()
+    if delta.stride() != lse.stride():
+        lse, delta = lse.contiguous(), delta.contiguous()
+    scale = float(softmax_scale)
+    # the kernel's exponent needs a scale >= 0 (as in the forward); with s < 0 run on -q:
+    # S is unchanged, dq = s * dS K stays, dk = s * dS^T q = |s| * dS^T (-q)
+    dq_scale, dk_scale = scale, abs(scale)
+    if scale < 0:
+        q = -q
+    _backward_impl(
+        dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc,
+        qk_scale=abs(scale) * LOG2E, dq_scale=dq_scale, dk_scale=dk_scale,
+        causal=kind is BlockKind.PARTIAL, offset=q_start - k_start,
+    )
