@@ -99,8 +99,16 @@ def _zero_rng(device: torch.device) -> torch.Tensor:
 _CUDNN_LSE_DIM: int | None = None  # how the installed torch shapes cuDNN's lse ([b,h,s] or [b,h,s,1])
 
 
+def _packed(*xs: torch.Tensor) -> list[torch.Tensor]:
+    # cuDNN returned a wrong dk (dq, dv right) on H200/torch 2.11 for batch > 1 when K was a slice
+    # with a batch stride larger than its size (a causal piece of a longer K); packed copies fix
+    # that. Whole blocks, the ring's usual case, are contiguous already and are not copied.
+    return [x if x.is_contiguous() else x.contiguous() for x in xs]
+
+
 def _cudnn_forward(q, k, v, causal, scale):
     global _CUDNN_LSE_DIM
+    q, k, v = _packed(q, k, v)
     r = _call(
         "_scaled_dot_product_cudnn_attention",
         query=_bhsd(q), key=_bhsd(k), value=_bhsd(v), attn_bias=None, compute_log_sumexp=True,
@@ -115,6 +123,7 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
         probe = torch.randn(1, 64, 1, q.shape[-1], dtype=q.dtype, device=q.device)
         _cudnn_forward(probe, probe, probe, False, 1.0)
     lse = lse.contiguous() if _CUDNN_LSE_DIM == 3 else lse.unsqueeze(-1).contiguous()
+    dout, q, k, v, out = _packed(dout, q, k, v, out)
     rng = _zero_rng(q.device)
     dq, dk, dv = _call(
         "_scaled_dot_product_cudnn_attention_backward",

@@ -9,6 +9,8 @@ also keeps the gradients finite (the custom backward below never evaluates `exp(
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -22,8 +24,16 @@ def _merge_kernel_module():
     if _KERNEL_MODULE is None:
         try:
             from ringlse.kernels import merge as module
-        except ImportError:  # no triton: the PyTorch path serves
+        except ImportError as err:  # no triton: the PyTorch path serves
             module = False
+            try:
+                has_triton = importlib.util.find_spec("triton") is not None
+            except (ImportError, ValueError):
+                has_triton = False
+            if has_triton:
+                # triton is there but the kernels are not: ringlse is imported from a source tree
+                # without `pip install -e .` (kernels/ installs as ringlse.kernels); say so once
+                warnings.warn(f"ringlse.kernels is not importable ({err}); merges use the PyTorch path", RuntimeWarning)
         _KERNEL_MODULE = module
     return _KERNEL_MODULE or None
 
