@@ -7,20 +7,23 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 
-def _entry(fn: Callable, rank: int, world: int, rdzv: str, results, args: tuple) -> None:
+def _entry(fn: Callable, rank: int, world: int, rdzv: str, results, args: tuple, backend: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # W ranks share 2 cores
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", init_method=rdzv, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+            backend, init_method=rdzv, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
         )
         results.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:  # report everything, including assertion failures, to the parent
@@ -30,22 +33,21 @@ def _entry(fn: Callable, rank: int, world: int, rdzv: str, results, args: tuple)
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world: int, tmp_path: Path, *args, timeout: float = 240.0) -> list:
-    """Run `fn(rank, world, *args)` on `world` spawned gloo ranks; return the per-rank results.
+def run_ranks(fn: Callable, world: int, tmp_path: Path, *args, timeout: float = 240.0, backend: str = "gloo") -> list:
+    """Run `fn(rank, world, *args)` on `world` spawned ranks (gloo on CPU; `backend="nccl"`: rank r on
+    GPU r); return the per-rank results.
 
     Raises AssertionError with the rank's traceback if any rank fails, or if they do not all finish
     within `timeout` seconds (the processes are killed).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    rdzv = f"file://{tmp_path / f'rdzv-{world}-{os.getpid()}-{id(fn)}'}"
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, rdzv, results, args), daemon=True) for r in range(world)]
+    rdzv = f"file://{tmp_path / f'rdzv-{world}-{os.getpid()}-{id(fn)}-{time.monotonic_ns()}'}"
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, rdzv, results, args, backend), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, object] = {}
     errors: list[str] = []
-    import time
-
     deadline = time.monotonic() + timeout
     try:
         while len(out) + len(errors) < world:

@@ -24,12 +24,16 @@ def _full_inputs(b, s, h, hkv, d, dtype, seed, device="cpu"):
 
 
 def check_case(rank, world, case: dict) -> dict | None:
-    """Run one case; rank 0 returns {'max_err': {...}, 'verdicts': [...]} (float64 cases assert_close)."""
+    """Run one case; rank 0 returns {'max_err': {...}, 'verdicts': [...]} (float64 cases assert_close).
+
+    On an NCCL group the inputs live on this rank's GPU and `case["backend"]` picks the block op."""
     dtype = case["dtype"]
-    q, k, v, dout, dlse = _full_inputs(case["b"], case["s"], case["h"], case["hkv"], case["d"], dtype, case["seed"])
+    nccl = torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    q, k, v, dout, dlse = _full_inputs(case["b"], case["s"], case["h"], case["hkv"], case["d"], dtype, case["seed"], device)
     dlse = dlse if dtype == torch.float64 else None  # exercise the lse gradient where exactness is checked
-    ours = ring_with_grads(q, k, v, dout, dlse, causal=case["causal"], layout=case["layout"], backend="torch",
-                           non_contiguous=case.get("non_contiguous", False))
+    ours = ring_with_grads(q, k, v, dout, dlse, causal=case["causal"], layout=case["layout"],
+                           backend=case.get("backend", "torch"), non_contiguous=case.get("non_contiguous", False))
     if rank != 0:
         return None
     result = {"max_err": {}, "verdicts": []}
