@@ -1,0 +1,705 @@
+"""Online softmax, log_softmax and logsumexp over one dim, in Triton, with backward kernels.
+
+Any tensor is seen as `R` rows of `N` columns: the reduced dim is moved last by a view, and the other
+dims are folded into at most two (outer, inner) groups with their own strides, so `dim != -1` costs no
+copy (only layouts that fold into more than two groups are copied). Row `r` = `o * I + i` starts at
+`o * s_o + i * s_i`; column `n` is `n * s_n` further.
+
+Three row regimes, chosen by `_plan`:
+- short and medium rows (`N <= TUNING["max_row_block"]`): a program holds `BLOCK_R` whole rows in
+  registers: one read, one write, the exact max before a single `exp` per element;
+- long rows, many of them: one program per row, two passes over the row: pass 1 keeps a running max and
+  rescaled sum per lane (one read, no block-wide reduction inside the loop), pass 2 normalises and
+  writes, walking the row backwards so that the chunks pass 1 read last are re-read while still in L2;
+- long rows, few of them: each row is split into pieces over several programs; a stats kernel writes
+  one `(max, sum)` per piece and the normalising kernel (or, for logsumexp, a tiny combine kernel)
+  merges them.
+
+All arithmetic is float32 whatever the input dtype (fp32/bf16/fp16), outputs are in the input dtype.
+An all `-inf` row gives softmax 0, log_softmax `-inf`, logsumexp `-inf`, and no NaN anywhere, forward
+or backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# constexpr globals: the only kind a @triton.jit function may read
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+_SOFTMAX: int = 0
+_LOG_SOFTMAX: int = 1
+_LOGSUMEXP: int = 2
+
+# Dispatch knobs, read on every call (the benchmark and the tests change them).
+TUNING: dict[str, int | None] = {
+    "max_row_block": 16384,  # forward: rows up to this many columns stay in registers
+    "max_row_block_bwd": 8192,  # backward holds two rows (y and g), so half of that
+    "tile": 4096,  # elements per program for short rows (several rows per program)
+    "chunk": 4096,  # columns per step of the long-row loops
+    "chunk_warps": 8,
+    "row_warps": None,  # None: chosen from the tile size
+    "split_rows": None,  # fewer rows than this split each row over programs; None: 2 x SMs
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_start(rows, I, s_o, s_i):
+    """Element offset (int64) of the first column of each row `rows` (row = o * I + i)."""
+    r = rows.to(tl.int64)
+    o = r // I
+    return o * s_o + (r - o * I) * s_i
+
+
+@triton.jit
+def _col_offsets(cols, s_n, COL64: tl.constexpr):
+    # int32 offsets keep the address arithmetic cheap; COL64 when N * s_n could overflow them
+    if COL64:
+        return cols.to(tl.int64) * s_n
+    else:
+        return cols * s_n
+
+
+@triton.jit
+def _online_update(m, s, x):
+    """Fold values `x` into per-lane running `(max m, sum s of exp(. - m))`, with one exp per element.
+
+    exp(-|x - m|) is exp(x - m) when x <= m and exp(m - x) (the rescale of s) when x > m. An x of
+    -inf contributes nothing; testing it avoids `-inf - -inf` = NaN while m is still -inf.
+    """
+    d = tl.exp2(-tl.abs(x - m) * LOG2E)
+    d = tl.where(x == float("-inf"), 0.0, d)
+    s = tl.where(x > m, s * d + 1.0, s + d)
+    m = tl.maximum(m, x)
+    return m, s
+
+
+@triton.jit
+def _merge_lanes(m, s):
+    """Merge per-lane (or per-piece) `(m, s)` into one `(M, S)`: M the max (-inf if all are), S the sum
+    of exp(x - M_safe) with M_safe = 0 for an all -inf row, so that S = 0 there and log(S) = -inf."""
+    M = tl.max(m, axis=0)
+    M_safe = tl.where(M == float("-inf"), 0.0, M)
+    S = tl.sum(s * tl.exp2((m - M_safe) * LOG2E), axis=0)
+    return M, S
+
+
+@triton.jit
+def _piece_stats(x_ptr, start, c0, c1, s_n, BLOCK_N: tl.constexpr, COL64: tl.constexpr):
+    """(M, S) of columns [c0, c1) of the row at element offset `start`: one read, chunk by chunk."""
+    cols = tl.arange(0, BLOCK_N)
+    m = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_N], tl.float32)
+    for c in range(c0, c1, BLOCK_N):
+        cc = c + cols
+        x = tl.load(x_ptr + start + _col_offsets(cc, s_n, COL64), mask=cc < c1, other=float("-inf"))
+        m, s = _online_update(m, s, x.to(tl.float32))
+    return _merge_lanes(m, s)
+
+
+@triton.jit
+def _fwd_rows_kernel(
+    x_ptr, y_ptr, lse_ptr, R, N, I,
+    sx_o, sx_i, sx_n, sy_o, sy_i, sy_n,
+    MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, COL64: tl.constexpr,
+):
+    """BLOCK_R whole rows per program, held in registers: exact max, one exp per element, one write."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < R
+    mask = rmask[:, None] & (cols < N)[None, :]
+    xs = _row_start(rows, I, sx_o, sx_i)
+    x = tl.load(x_ptr + xs[:, None] + _col_offsets(cols, sx_n, COL64)[None, :], mask=mask, other=float("-inf"))
+    x = x.to(tl.float32)
+    m = tl.max(x, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all -inf row: exp(x - 0) = 0, sum 0, lse -inf
+    e = tl.exp2((x - m[:, None]) * LOG2E)
+    s = tl.sum(e, axis=1)
+    if MODE == 0:
+        y = e * tl.where(s > 0.0, 1.0 / s, 0.0)[:, None]
+    else:
+        lse = m + tl.log2(s) * LN2
+        if MODE == 1:
+            y = x - tl.where(s > 0.0, lse, 0.0)[:, None]  # all -inf row stays -inf, not NaN
+        else:
+            tl.store(lse_ptr + rows, lse, mask=rmask)
+    if MODE != 2:
+        ys = _row_start(rows, I, sy_o, sy_i)
+        tl.store(y_ptr + ys[:, None] + _col_offsets(cols, sy_n, COL64)[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_stats_kernel(
+    x_ptr, pm_ptr, ps_ptr, lse_ptr, N, I, sx_o, sx_i, sx_n, PIECE, NP,
+    WRITE_LSE: tl.constexpr, BLOCK_N: tl.constexpr, COL64: tl.constexpr,
+):
+    """(max, sum) of piece `program_id(1)` of row `program_id(0)`; with one piece, the row's lse."""
+    row = tl.program_id(0)
+    p = tl.program_id(1)
+    start = _row_start(row, I, sx_o, sx_i)
+    c0 = p * PIECE
+    M, S = _piece_stats(x_ptr, start, c0, tl.minimum(c0 + PIECE, N), sx_n, BLOCK_N, COL64)
+    if WRITE_LSE:
+        tl.store(lse_ptr + row, tl.where(M == float("-inf"), 0.0, M) + tl.log2(S) * LN2)
+    else:
+        tl.store(pm_ptr + row * NP + p, M)
+        tl.store(ps_ptr + row * NP + p, S)
+
+
+@triton.jit
+def _lse_combine_kernel(pm_ptr, ps_ptr, lse_ptr, NP, NP_BLOCK: tl.constexpr):
+    """Second stage of a split logsumexp: merge the NP per-piece (max, sum) of one row."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, NP_BLOCK)
+    pm = tl.load(pm_ptr + row * NP + offs, mask=offs < NP, other=float("-inf"))
+    ps = tl.load(ps_ptr + row * NP + offs, mask=offs < NP, other=0.0)
+    M, S = _merge_lanes(pm, ps)
+    tl.store(lse_ptr + row, tl.where(M == float("-inf"), 0.0, M) + tl.log2(S) * LN2)
+
+
+@triton.jit
+def _fwd_long_kernel(
+    x_ptr, y_ptr, pm_ptr, ps_ptr, N, I,
+    sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, PIECE, NP,
+    MODE: tl.constexpr, FUSED: tl.constexpr, NP_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    COL64: tl.constexpr,
+):
+    """Normalise piece `program_id(1)` of row `program_id(0)`.
+
+    FUSED (one piece per row): pass 1 over the whole row computes the stats here; otherwise they come
+    from the stats kernel's per-piece partials. The write pass walks the piece backwards: pass 1 read the
+    last chunks most recently, so they are the likeliest to still be in L2.
+    """
+    row = tl.program_id(0)
+    p = tl.program_id(1)
+    xs = _row_start(row, I, sx_o, sx_i)
+    ys = _row_start(row, I, sy_o, sy_i)
+    if FUSED:
+        M, S = _piece_stats(x_ptr, xs, 0, N, sx_n, BLOCK_N, COL64)
+    else:
+        offs = tl.arange(0, NP_BLOCK)
+        pm = tl.load(pm_ptr + row * NP + offs, mask=offs < NP, other=float("-inf"))
+        ps = tl.load(ps_ptr + row * NP + offs, mask=offs < NP, other=0.0)
+        M, S = _merge_lanes(pm, ps)
+    M = tl.where(M == float("-inf"), 0.0, M)
+    inv = tl.where(S > 0.0, 1.0 / S, 0.0)
+    lse = tl.where(S > 0.0, M + tl.log2(S) * LN2, 0.0)  # 0 for an all -inf row keeps x - lse = -inf
+    c0 = p * PIECE
+    c1 = tl.minimum(c0 + PIECE, N)
+    n_chunks = tl.cdiv(c1 - c0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)
+    for i in range(0, n_chunks):
+        cc = c0 + (n_chunks - 1 - i) * BLOCK_N + cols
+        mask = cc < c1
+        x = tl.load(x_ptr + xs + _col_offsets(cc, sx_n, COL64), mask=mask, other=float("-inf")).to(tl.float32)
+        if MODE == 0:
+            y = tl.exp2((x - M) * LOG2E) * inv
+        else:
+            y = x - lse
+        tl.store(y_ptr + ys + _col_offsets(cc, sy_n, COL64), y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_rows_kernel(
+    y_ptr, g_ptr, dx_ptr, R, N, I,
+    sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n,
+    LOG: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, COL64: tl.constexpr,
+):
+    """Whole rows in registers. softmax: dx = y (g - sum(g y)); log_softmax: dx = g - exp(y) sum(g)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < R)[:, None] & (cols < N)[None, :]
+    ystart = _row_start(rows, I, sy_o, sy_i)
+    gstart = _row_start(rows, I, sg_o, sg_i)
+    y_other = float("-inf") if LOG else 0.0  # padding that contributes exp(y) = 0 or y = 0
+    y = tl.load(y_ptr + ystart[:, None] + _col_offsets(cols, sy_n, COL64)[None, :], mask=mask, other=y_other)
+    g = tl.load(g_ptr + gstart[:, None] + _col_offsets(cols, sg_n, COL64)[None, :], mask=mask, other=0.0)
+    y = y.to(tl.float32)
+    g = g.to(tl.float32)
+    if LOG:
+        dx = g - tl.exp2(y * LOG2E) * tl.sum(g, axis=1)[:, None]
+    else:
+        dx = y * (g - tl.sum(g * y, axis=1)[:, None])
+    dstart = _row_start(rows, I, sd_o, sd_i)
+    tl.store(dx_ptr + dstart[:, None] + _col_offsets(cols, sd_n, COL64)[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_piece_sum(y_ptr, g_ptr, ystart, gstart, c0, c1, sy_n, sg_n, LOG: tl.constexpr,
+                   BLOCK_N: tl.constexpr, COL64: tl.constexpr):
+    """sum(g) (log_softmax) or sum(g * y) (softmax) over columns [c0, c1)."""
+    cols = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for c in range(c0, c1, BLOCK_N):
+        cc = c + cols
+        mask = cc < c1
+        g = tl.load(g_ptr + gstart + _col_offsets(cc, sg_n, COL64), mask=mask, other=0.0).to(tl.float32)
+        if LOG:
+            acc += g
+        else:
+            y = tl.load(y_ptr + ystart + _col_offsets(cc, sy_n, COL64), mask=mask, other=0.0).to(tl.float32)
+            acc += g * y
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _bwd_partial_kernel(
+    y_ptr, g_ptr, part_ptr, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, PIECE, NP,
+    LOG: tl.constexpr, BLOCK_N: tl.constexpr, COL64: tl.constexpr,
+):
+    """Per-piece partial of the backward row sum (split rows)."""
+    row = tl.program_id(0)
+    p = tl.program_id(1)
+    c0 = p * PIECE
+    part = _bwd_piece_sum(
+        y_ptr, g_ptr, _row_start(row, I, sy_o, sy_i), _row_start(row, I, sg_o, sg_i),
+        c0, tl.minimum(c0 + PIECE, N), sy_n, sg_n, LOG, BLOCK_N, COL64,
+    )
+    tl.store(part_ptr + row * NP + p, part)
+
+
+@triton.jit
+def _bwd_long_kernel(
+    y_ptr, g_ptr, dx_ptr, part_ptr, N, I,
+    sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n, PIECE, NP,
+    LOG: tl.constexpr, FUSED: tl.constexpr, NP_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    COL64: tl.constexpr,
+):
+    """Backward of piece `program_id(1)` of row `program_id(0)`; the row sum is computed here (FUSED)
+    or merged from the partial kernel's pieces. The write pass walks backwards, as in the forward."""
+    row = tl.program_id(0)
+    p = tl.program_id(1)
+    ystart = _row_start(row, I, sy_o, sy_i)
+    gstart = _row_start(row, I, sg_o, sg_i)
+    dstart = _row_start(row, I, sd_o, sd_i)
+    if FUSED:
+        total = _bwd_piece_sum(y_ptr, g_ptr, ystart, gstart, 0, N, sy_n, sg_n, LOG, BLOCK_N, COL64)
+    else:
+        offs = tl.arange(0, NP_BLOCK)
+        total = tl.sum(tl.load(part_ptr + row * NP + offs, mask=offs < NP, other=0.0), axis=0)
+    c0 = p * PIECE
+    c1 = tl.minimum(c0 + PIECE, N)
+    n_chunks = tl.cdiv(c1 - c0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)
+    y_other = float("-inf") if LOG else 0.0
+    for i in range(0, n_chunks):
+        cc = c0 + (n_chunks - 1 - i) * BLOCK_N + cols
+        mask = cc < c1
+        y = tl.load(y_ptr + ystart + _col_offsets(cc, sy_n, COL64), mask=mask, other=y_other).to(tl.float32)
+        g = tl.load(g_ptr + gstart + _col_offsets(cc, sg_n, COL64), mask=mask, other=0.0).to(tl.float32)
+        if LOG:
+            dx = g - tl.exp2(y * LOG2E) * total
+        else:
+            dx = y * (g - total)
+        tl.store(dx_ptr + dstart + _col_offsets(cc, sd_n, COL64), dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lse_bwd_kernel(
+    x_ptr, lse_ptr, g_ptr, dx_ptr, R, N, I, sx_o, sx_i, sx_n, sd_o, sd_i, sd_n, N_COL_TILES,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, COL64: tl.constexpr,
+):
+    """dx = g * exp(x - lse) per row, 0 for an all -inf row (lse = -inf). Elementwise, 2-D tiles."""
+    pid = tl.program_id(0)
+    rows = (pid // N_COL_TILES) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (pid % N_COL_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < R
+    mask = rmask[:, None] & (cols < N)[None, :]
+    lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+    g = tl.load(g_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    # x - (+inf) = -inf even where x is -inf, so exp gives 0 instead of exp(-inf - -inf) = NaN
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    xs = _row_start(rows, I, sx_o, sx_i)
+    x = tl.load(x_ptr + xs[:, None] + _col_offsets(cols, sx_n, COL64)[None, :], mask=mask, other=float("-inf"))
+    dx = g[:, None] * tl.exp2((x.to(tl.float32) - lse[:, None]) * LOG2E)
+    ds = _row_start(rows, I, sd_o, sd_i)
+    tl.store(dx_ptr + ds[:, None] + _col_offsets(cols, sd_n, COL64)[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check(x: torch.Tensor, what: str) -> None:
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"{what}: the Triton kernels take float32/float16/bfloat16, got {x.dtype}")
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: any small number exercises the same paths
+
+
+def _fold_rows(t: torch.Tensor) -> tuple[int, int, int, int, int] | None:
+    """`t` `[..., N]` as rows: `(O, I, s_o, s_i, s_n)` such that row `r = o * I + i` (row-major order
+    of the leading dims) starts at element `o * s_o + i * s_i`; None if the leading dims do not fold into
+    two strided groups (then the caller copies)."""
+    groups: list[list[int]] = []
+    for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
+        if size == 1:
+            continue
+        if groups and groups[-1][1] == stride * size:
+            groups[-1] = [groups[-1][0] * size, stride]
+        else:
+            groups.append([size, stride])
+    if len(groups) > 2:
+        return None
+    while len(groups) < 2:
+        groups.append([1, 0])  # pad on the inside: I = 1 is specialised away by Triton
+    (o, s_o), (i, s_i) = groups
+    return o, i, s_o, s_i, t.stride(-1)
+
+
+def _as_rows(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
+    """`t` with `dim` moved last (a view where possible, a copy otherwise) and its row folding."""
+    tm = t.movedim(dim, -1)
+    lay = _fold_rows(tm)
+    if lay is None:
+        tm = tm.contiguous()
+        lay = _fold_rows(tm)
+    return tm, lay
+
+
+def _empty_rows(like: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
+    """An output shaped like the row view `like`, keeping its memory order when that is dense."""
+    out = torch.empty_like(like, dtype=dtype)
+    lay = _fold_rows(out)
+    if lay is None:
+        out = torch.empty(like.shape, dtype=dtype, device=like.device)
+        lay = _fold_rows(out)
+    return out, lay
+
+
+def _col64(n: int, *strides: int) -> bool:
+    return max([abs(s) for s in strides] + [1]) * n >= 2**31
+
+
+def _row_warps(tile: int) -> int:
+    if TUNING["row_warps"] is not None:
+        return int(TUNING["row_warps"])
+    return max(4, min(32, tile // 512))
+
+
+def _short_tile(R: int, N: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_N) for rows held whole in registers."""
+    block_n = triton.next_power_of_2(N)
+    block_r = max(1, min(int(TUNING["tile"]) // block_n, triton.next_power_of_2(R)))
+    return block_r, block_n
+
+
+def _split(R: int, N: int, device: torch.device) -> tuple[int, int, int]:
+    """(pieces per row, piece length, chunk) for rows too long for registers."""
+    chunk = int(TUNING["chunk"])
+    sms = _num_sms(device)
+    split_rows = TUNING["split_rows"] if TUNING["split_rows"] is not None else 2 * sms
+    n_chunks = triton.cdiv(N, chunk)
+    pieces = 1
+    if R < split_rows:
+        pieces = max(1, min(n_chunks, triton.cdiv(4 * sms, R), 4096))
+    piece = triton.cdiv(n_chunks, pieces) * chunk
+    return triton.cdiv(N, piece), piece, chunk
+
+
+def softmax_forward(
+    x: torch.Tensor, dim: int = -1, *, log: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """softmax (or log_softmax) of `x` over `dim`, no autograd.
+
+    Args:
+        x: any shape, float32/float16/bfloat16, on a CUDA device (or CPU under TRITON_INTERPRET=1).
+        dim: the reduced dim.
+        log: log_softmax instead of softmax.
+        out: optional output, shape and dtype of `x` (tests pass a NaN-poisoned one).
+
+    Returns:
+        `y`, shape and dtype of `x`; all -inf rows give 0 (softmax) or -inf (log_softmax).
+    """
+    _check(x, "softmax")
+    if x.dim() == 0:
+        return softmax_forward(x.reshape(1), 0, log=log, out=None if out is None else out.reshape(1)).reshape(())
+    dim = dim % x.dim()
+    xm, (O, I, sx_o, sx_i, sx_n) = _as_rows(x, dim)
+    if out is None:
+        ym, (_, _, sy_o, sy_i, sy_n) = _empty_rows(xm, x.dtype)
+    else:
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise ValueError(f"softmax: out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+        ym = out.movedim(dim, -1)
+        lay = _fold_rows(ym)
+        if lay is None:
+            raise ValueError("softmax: out's layout does not fold into rows; pass a contiguous out")
+        _, _, sy_o, sy_i, sy_n = lay
+    N = xm.shape[-1]
+    R = O * I
+    if R == 0 or N == 0:
+        return ym.movedim(-1, dim)
+    mode = _LOG_SOFTMAX if log else _SOFTMAX
+    col64 = _col64(N, sx_n, sy_n)
+    if N <= int(TUNING["max_row_block"]):
+        block_r, block_n = _short_tile(R, N)
+        _fwd_rows_kernel[(triton.cdiv(R, block_r),)](
+            xm, ym, xm, R, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n,
+            MODE=mode, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
+        )
+    else:
+        n_pieces, piece, chunk = _split(R, N, x.device)
+        warps = int(TUNING["chunk_warps"])
+        pm = ps = xm  # unused placeholders when fused
+        if n_pieces > 1:
+            pm = torch.empty((R, n_pieces), dtype=torch.float32, device=x.device)
+            ps = torch.empty_like(pm)
+            _fwd_stats_kernel[(R, n_pieces)](
+                xm, pm, ps, pm, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
+                WRITE_LSE=False, BLOCK_N=chunk, COL64=col64, num_warps=warps,
+            )
+        _fwd_long_kernel[(R, n_pieces)](
+            xm, ym, pm, ps, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, piece, n_pieces,
+            MODE=mode, FUSED=n_pieces == 1, NP_BLOCK=triton.next_power_of_2(n_pieces), BLOCK_N=chunk,
+            COL64=col64, num_warps=warps,
+        )
+    return ym.movedim(-1, dim)
+
+
+def logsumexp_forward(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """log(sum(exp(x))) over `dim` in float32, no autograd.
+
+    Args:
+        x: any shape (at least 1-D), float32/float16/bfloat16.
+        dim: the reduced dim.
+        out: optional float32 output of `x.shape` without `dim`.
+
+    Returns:
+        float32 lse, shape of `x` without `dim`; `-inf` for all -inf (or empty) rows.
+    """
+    _check(x, "logsumexp")
+    if x.dim() == 0:
+        x = x.reshape(1)
+    dim = dim % x.dim()
+    xm, (O, I, sx_o, sx_i, sx_n) = _as_rows(x, dim)
+    N = xm.shape[-1]
+    R = O * I
+    shape = xm.shape[:-1]
+    if out is None:
+        lse = torch.empty(shape, dtype=torch.float32, device=x.device)
+    else:
+        if tuple(out.shape) != tuple(shape) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"logsumexp: out must be contiguous float32 {tuple(shape)}")
+        lse = out
+    if R == 0:
+        return lse
+    if N == 0:
+        return lse.fill_(float("-inf"))
+    col64 = _col64(N, sx_n)
+    if N <= int(TUNING["max_row_block"]):
+        block_r, block_n = _short_tile(R, N)
+        _fwd_rows_kernel[(triton.cdiv(R, block_r),)](
+            xm, xm, lse, R, N, I, sx_o, sx_i, sx_n, 0, 0, 0,
+            MODE=_LOGSUMEXP, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
+        )
+        return lse
+    n_pieces, piece, chunk = _split(R, N, x.device)
+    warps = int(TUNING["chunk_warps"])
+    if n_pieces == 1:
+        _fwd_stats_kernel[(R, 1)](
+            xm, lse, lse, lse, N, I, sx_o, sx_i, sx_n, piece, 1,
+            WRITE_LSE=True, BLOCK_N=chunk, COL64=col64, num_warps=warps,
+        )
+        return lse
+    pm = torch.empty((R, n_pieces), dtype=torch.float32, device=x.device)
+    ps = torch.empty_like(pm)
+    _fwd_stats_kernel[(R, n_pieces)](
+        xm, pm, ps, lse, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
+        WRITE_LSE=False, BLOCK_N=chunk, COL64=col64, num_warps=warps,
+    )
+    _lse_combine_kernel[(R,)](pm, ps, lse, n_pieces, NP_BLOCK=triton.next_power_of_2(n_pieces), num_warps=4)
+    return lse
+
+
+def softmax_backward(
+    y: torch.Tensor, g: torch.Tensor, dim: int = -1, *, log: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gradient of softmax (log_softmax) from its output `y` and the output gradient `g`.
+
+    softmax: `dx = y * (g - sum(g * y))`; log_softmax: `dx = g - exp(y) * sum(g)` (sums over `dim`).
+
+    Args:
+        y: the forward output, any shape, float32/float16/bfloat16.
+        g: gradient of `y`, same shape (any strides, e.g. expanded).
+        dim: the reduced dim.
+        log: `y` is a log_softmax.
+        out: optional output, shape and dtype of `y`.
+
+    Returns:
+        `dx`, shape and dtype of `y`.
+    """
+    _check(y, "softmax_backward")
+    if y.dim() == 0:
+        return torch.zeros_like(y) if not log else g.to(y.dtype) - g.to(y.dtype)
+    dim = dim % y.dim()
+    g = g.to(y.dtype)
+    ym, (O, I, sy_o, sy_i, sy_n) = _as_rows(y, dim)
+    gm, (_, _, sg_o, sg_i, sg_n) = _as_rows(g, dim)
+    if out is None:
+        dm, (_, _, sd_o, sd_i, sd_n) = _empty_rows(ym, y.dtype)
+    else:
+        dm = out.movedim(dim, -1)
+        lay = _fold_rows(dm)
+        if lay is None or out.shape != y.shape or out.dtype != y.dtype:
+            raise ValueError("softmax_backward: out must have y's shape and dtype and a foldable layout")
+        _, _, sd_o, sd_i, sd_n = lay
+    N = ym.shape[-1]
+    R = O * I
+    if R == 0 or N == 0:
+        return dm.movedim(-1, dim)
+    col64 = _col64(N, sy_n, sg_n, sd_n)
+    if N <= int(TUNING["max_row_block_bwd"]):
+        block_r, block_n = _short_tile(R, N)
+        _bwd_rows_kernel[(triton.cdiv(R, block_r),)](
+            ym, gm, dm, R, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n,
+            LOG=log, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
+        )
+    else:
+        n_pieces, piece, chunk = _split(R, N, y.device)
+        warps = int(TUNING["chunk_warps"])
+        part = ym
+        if n_pieces > 1:
+            part = torch.empty((R, n_pieces), dtype=torch.float32, device=y.device)
+            _bwd_partial_kernel[(R, n_pieces)](
+                ym, gm, part, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, piece, n_pieces,
+                LOG=log, BLOCK_N=chunk, COL64=col64, num_warps=warps,
+            )
+        _bwd_long_kernel[(R, n_pieces)](
+            ym, gm, dm, part, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n, piece, n_pieces,
+            LOG=log, FUSED=n_pieces == 1, NP_BLOCK=triton.next_power_of_2(n_pieces), BLOCK_N=chunk,
+            COL64=col64, num_warps=warps,
+        )
+    return dm.movedim(-1, dim)
+
+
+def logsumexp_backward(
+    x: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, dim: int = -1, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gradient of logsumexp: `dx = g * exp(x - lse)`, 0 on rows whose lse is -inf.
+
+    Args:
+        x: the forward input, any shape, float32/float16/bfloat16.
+        lse: float32 logsumexp of `x` over `dim`, shape of `x` without `dim`.
+        g: gradient of the output, shape of `lse` (any dtype, any strides).
+        dim: the reduced dim.
+        out: optional output, shape and dtype of `x`.
+
+    Returns:
+        `dx`, shape and dtype of `x`.
+    """
+    _check(x, "logsumexp_backward")
+    if x.dim() == 0:
+        x = x.reshape(1)
+        lse, g = lse.reshape(()), g.reshape(())
+    dim = dim % x.dim()
+    xm, (O, I, sx_o, sx_i, sx_n) = _as_rows(x, dim)
+    if out is None:
+        dm, (_, _, sd_o, sd_i, sd_n) = _empty_rows(xm, x.dtype)
+    else:
+        dm = out.movedim(dim, -1)
+        lay = _fold_rows(dm)
+        if lay is None or out.shape != x.shape or out.dtype != x.dtype:
+            raise ValueError("logsumexp_backward: out must have x's shape and dtype and a foldable layout")
+        _, _, sd_o, sd_i, sd_n = lay
+    N = xm.shape[-1]
+    R = O * I
+    if R == 0 or N == 0:
+        return dm.movedim(-1, dim)
+    lse = lse.reshape(R).to(torch.float32).contiguous()
+    g = g.reshape(R).contiguous()
+    block_n = min(triton.next_power_of_2(N), 2048)
+    block_r = max(1, min(int(TUNING["tile"]) // block_n, triton.next_power_of_2(R)))
+    n_col_tiles = triton.cdiv(N, block_n)
+    _lse_bwd_kernel[(triton.cdiv(R, block_r) * n_col_tiles,)](
+        xm, lse, g, dm, R, N, I, sx_o, sx_i, sx_n, sd_o, sd_i, sd_n, n_col_tiles,
+        BLOCK_R=block_r, BLOCK_N=block_n, COL64=_col64(N, sx_n, sd_n), num_warps=_row_warps(block_r * block_n),
+    )
+    return dm.movedim(-1, dim)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------------
+
+
+class _SoftmaxFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+        y = softmax_forward(x, dim, log=log)
+        ctx.save_for_backward(y)
+        ctx.dim, ctx.log = dim, log
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (y,) = ctx.saved_tensors
+        return softmax_backward(y, g, ctx.dim, log=ctx.log), None, None
+
+
+class _LogsumexpFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, keepdim: bool) -> torch.Tensor:
+        lse = logsumexp_forward(x, dim)
+        ctx.save_for_backward(x, lse)
+        ctx.dim = dim
+        out = lse if x.dtype == torch.float32 else lse.to(x.dtype)
+        return out.unsqueeze(dim) if keepdim and x.dim() > 0 else out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, lse = ctx.saved_tensors
+        return logsumexp_backward(x, lse, g, ctx.dim), None, None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------------
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax over `dim` with autograd (Triton forward and backward).
+
+    Args:
+        x: any shape, float32/float16/bfloat16 (float32 arithmetic).
+        dim: the reduced dim.
+
+    Returns:
+        shape and dtype of `x`; an all -inf row gives zeros.
+    """
+    return _SoftmaxFn.apply(x, dim, False)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """log_softmax over `dim` with autograd; an all -inf row stays -inf. Shapes as `softmax`."""
+    return _SoftmaxFn.apply(x, dim, True)
+
+
+def logsumexp(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """log(sum(exp(x))) over `dim` with autograd.
+
+    Args:
+        x: any shape, float32/float16/bfloat16.
+        dim: the reduced dim.
+        keepdim: keep `dim` with size 1.
+
+    Returns:
+        dtype of `x` (computed in float32), shape of `x` without `dim` (or with size 1); -inf for an
+        all -inf row, whose gradient is 0.
+    """
+    return _LogsumexpFn.apply(x, dim, keepdim)
