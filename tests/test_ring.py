@@ -86,3 +86,17 @@ def test_layout_errors_name_length_world_and_layout():
         ringlse.layouts.check_layout("zigzag", 7, 2)
     with pytest.raises(ValueError, match="unknown layout"):
         ringlse.layouts.check_layout("spiral", 8, 2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; the GPU suite covers compiled kernels")
+def test_ring_with_triton_kernels_under_interpreter(tmp_path):
+    """The same loop with the Triton block op: in-kernel merges into strided accumulator views,
+    dq/dk/dv accumulation into travelling buffers (fp16/fp32: the interpreter's bf16 dot is wrong)."""
+    pytest.importorskip("triton")
+    cases = [dict(b=1, s=s, h=4, hkv=2, d=32, dtype=dt, causal=c, layout=lay, seed=3, backend="triton")
+             for dt in (torch.float32, torch.float16)
+             for lay, c, s in (("zigzag", True, 64), ("stripe", True, 48), ("contiguous", False, 40))]
+    per_rank = run_ranks(rw.battery, 2, tmp_path, cases, timeout=400)
+    for case, result in zip(cases, per_rank[0]):
+        for name, ok, text in result["verdicts"]:
+            assert ok, f"{case['dtype']} {case['layout']}: {text}"
