@@ -185,7 +185,9 @@ def update_out_and_lse(
     if out is None:
         if lse is not None:
             raise ValueError("update_out_and_lse: out is None but lse is not")
-        return block_out.to(acc), block_lse.to(acc)
+        # always a copy: `.to` would return the block itself when it is already float32/float64, and a
+        # later `inplace=True` update of the state would then overwrite the caller's block
+        return block_out.to(acc, copy=True), block_lse.to(acc, copy=True)
     if lse is None:
         raise ValueError("update_out_and_lse: lse is None but out is not")
     _check_state(out, lse, "update_out_and_lse (state)")

@@ -367,3 +367,27 @@ def test_merge_attn_states_errors():
         merge_attn_states([o, torch.randn(1, 5, 2, 4)], [lse, lse])
     with pytest.raises(ValueError, match="lse must have shape"):
         merge_attn_states([o, o], [lse, torch.randn(1, 5, 2)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["fp32", "fp64"])
+def test_started_state_is_a_copy_so_inplace_updates_leave_blocks_alone(dtype):
+    # a state started from a float32/float64 block must not alias it: updating that state in place
+    # would otherwise overwrite the caller's first block (e.g. an output autograd saved)
+    gen = torch.Generator().manual_seed(11)
+    outs = [rand(1, 9, 2, 16, gen=gen, dtype=dtype) for _ in range(3)]
+    lses = [rand(1, 2, 9, gen=gen, dtype=dtype) for _ in range(3)]
+    copies = [t.clone() for t in (*outs, *lses)]
+    out, lse = update_out_and_lse(None, None, outs[0], lses[0])
+    assert out.data_ptr() != outs[0].data_ptr() and lse.data_ptr() != lses[0].data_ptr()
+    for o, x in zip(outs[1:], lses[1:]):
+        res = update_out_and_lse(out, lse, o, x, inplace=True)
+        assert res[0] is out and res[1] is lse
+    for t, c in zip((*outs, *lses), copies):
+        assert torch.equal(t, c)
+    exp_out, exp_lse = expected_merge(outs, lses)
+    if dtype == F64:
+        torch.testing.assert_close(out, exp_out)
+        torch.testing.assert_close(lse, exp_lse)
+    else:
+        assert_judged("out", out, exp_out, None, dtype)
+        assert_judged("lse", lse, exp_lse, None, dtype, is_lse=True)
