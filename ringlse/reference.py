@@ -70,10 +70,15 @@ def reference_attention(
         (float32; float64 for float64 inputs), natural log. Rows with no visible key give `out = 0`,
         `lse = -inf`.
     """
-    b, sq, h, d = q.shape
-    bk, sk, hkv, dk = k.shape
-    if (bk, dk) != (b, d) or v.shape != k.shape or h % hkv:
+    # one check for every malformed input (3-D tensors, nheads_kv = 0 included), so callers always get
+    # this ValueError rather than an unpacking error or a ZeroDivisionError
+    if (
+        q.dim() != 4 or k.dim() != 4 or v.shape != k.shape
+        or (k.shape[0], k.shape[3]) != (q.shape[0], q.shape[3]) or k.shape[2] == 0 or q.shape[2] % k.shape[2]
+    ):
         raise ValueError(f"reference_attention: incompatible shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
     scale = d**-0.5 if softmax_scale is None else softmax_scale
     if q_start is None:
         q_start = k_start + sk - sq

@@ -202,6 +202,9 @@ def test_dtypes(dtype, lse_dtype):
         pytest.param((1, 4, 2, 8), (1, 4, 2, 16), (1, 4, 2, 16), id="headdim"),
         pytest.param((1, 4, 2, 8), (1, 4, 2, 8), (1, 5, 2, 8), id="k-v-differ"),
         pytest.param((1, 4, 6, 8), (1, 4, 4, 8), (1, 4, 4, 8), id="heads-not-divisible"),
+        pytest.param((1, 4, 6, 8), (1, 4, 0, 8), (1, 4, 0, 8), id="zero-kv-heads"),
+        pytest.param((4, 6, 8), (4, 6, 8), (4, 6, 8), id="3d"),
+        pytest.param((1, 4, 2, 8), (1, 4, 2, 8, 1), (1, 4, 2, 8, 1), id="5d-kv"),
     ],
 )
 def test_shape_mismatch_raises(q_shape, k_shape, v_shape):
