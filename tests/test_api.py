@@ -36,6 +36,35 @@ def test_auto_is_torch_on_cpu():
     assert "torch" in ringlse.available_backends("cpu")
 
 
+@pytest.mark.parametrize("fn", ["block_attention", "attention"])
+def test_validation_errors(fn):
+    f = getattr(ringlse, fn)
+    q, k, v = (t.detach() for t in qkv(1, 8, 8, 4, 2, 16, dtype=torch.float32, seed=7))
+    with pytest.raises(ValueError, match="share a dtype"):
+        f(q, k.half(), v.half())
+    with pytest.raises(ValueError, match="multiple of nheads_kv"):
+        f(q, k[:, :, :1].expand(1, 8, 3, 16), v[:, :, :1].expand(1, 8, 3, 16))
+    with pytest.raises(ValueError, match=r"must be \[batch, seqlen, nheads, headdim\]"):
+        f(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="not supported"):
+        f(q.int(), k.int(), v.int())
+    with pytest.raises(ValueError, match="head dim"):
+        f(q, k[..., :8], v[..., :8])
+    with pytest.raises(ValueError, match="same shape"):
+        f(q, k, v[:, :4])
+    with pytest.raises(ValueError, match="batch"):
+        f(q, k.expand(2, 8, 2, 16), v.expand(2, 8, 2, 16))
+    with pytest.raises(ValueError, match="not available|unknown backend"):
+        f(q, k, v, backend="no-such-backend")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        f(q, k, v, backend="sdpa")
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        f(q, k.numpy(), v)
+    # a real CPU/CUDA mismatch needs a GPU; the "meta" device shows the check runs before any math
+    with pytest.raises(ValueError, match="one device"):
+        f(q, k.to("meta"), v.to("meta"))
+
+
 SHAPES = [
     pytest.param((1, 1, 1, 1, 1, 8), id="tiny"),
     pytest.param((2, 97, 97, 4, 2, 80), id="gqa2-97-d80"),
@@ -192,32 +221,3 @@ def test_empty_block(sq, sk, q_start, k_start, dtype):
     grads = torch.autograd.grad((out, lse), (q, k, v), (g_out, g_lse.to(lse.dtype)))
     for g in grads:
         assert torch.equal(g, torch.zeros_like(g))
-
-
-@pytest.mark.parametrize("fn", ["block_attention", "attention"])
-def test_validation_errors(fn):
-    f = getattr(ringlse, fn)
-    q, k, v = (t.detach() for t in qkv(1, 8, 8, 4, 2, 16, dtype=torch.float32, seed=7))
-    with pytest.raises(ValueError, match="share a dtype"):
-        f(q, k.half(), v.half())
-    with pytest.raises(ValueError, match="multiple of nheads_kv"):
-        f(q, k[:, :, :1].expand(1, 8, 3, 16), v[:, :, :1].expand(1, 8, 3, 16))
-    with pytest.raises(ValueError, match=r"must be \[batch, seqlen, nheads, headdim\]"):
-        f(q[0], k[0], v[0])
-    with pytest.raises(ValueError, match="not supported"):
-        f(q.int(), k.int(), v.int())
-    with pytest.raises(ValueError, match="head dim"):
-        f(q, k[..., :8], v[..., :8])
-    with pytest.raises(ValueError, match="same shape"):
-        f(q, k, v[:, :4])
-    with pytest.raises(ValueError, match="batch"):
-        f(q, k.expand(2, 8, 2, 16), v.expand(2, 8, 2, 16))
-    with pytest.raises(ValueError, match="not available|unknown backend"):
-        f(q, k, v, backend="no-such-backend")
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        f(q, k, v, backend="sdpa")
-    with pytest.raises(TypeError, match="torch.Tensor"):
-        f(q, k.numpy(), v)
-    # a real CPU/CUDA mismatch needs a GPU; the "meta" device shows the check runs before any math
-    with pytest.raises(ValueError, match="one device"):
-        f(q, k.to("meta"), v.to("meta"))
