@@ -298,7 +298,7 @@ def time_kernel_split(b, h, s, d, causal, bwd_cfg, dtype=torch.bfloat16):
     grid_kv = (triton.cdiv(s, bwd_cfg.kv_block_n), b * h)
     grid_q = (triton.cdiv(s, bwd_cfg.q_block_m), b * h)
     bd = F.block_d(d)
-    common = dict(HEAD_D=d, BLOCK_D=bd, CAUSAL=causal)
+    common = dict(HEAD_D=d, BLOCK_D=bd, CAUSAL=causal, DOT_PREC=F.dot_precision(dtype))
 
     def dkdv():
         B._attn_bwd_dkdv_kernel[grid_kv](

@@ -24,6 +24,7 @@ from ringlse.kernels.attention_fwd import (
     block_d,
     check_dtype,
     check_qkv_shapes,
+    dot_precision,
     interpreting,
     last_dim_contiguous,
     launch_with_fallback,
@@ -61,6 +62,7 @@ def _dkdv_tiles(
     q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qm, stride_dom, stride_lm,
     offs_n, lo, hi, SQ, OFFSET, qk_scale,
     BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """Accumulate one query head's query tiles `[lo, hi)` into this key tile's dk/dv (transposed
     formulation: `[BLOCK_N, BLOCK_M]` score tiles, so nothing but the loaded tiles gets transposed).
@@ -77,16 +79,16 @@ def _dkdv_tiles(
         # rows past SQ and rows that see nothing anywhere (lse -inf): lse -> +inf makes P exactly 0
         lse = tl.load(lse_ptr + offs_m * stride_lm, mask=m_ok, other=float("-inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        st = tl.dot(k, qt)
+        st = tl.dot(k, qt, input_precision=DOT_PREC)
         pt = tl.math.exp2(st * qk_scale - lse2[None, :])
         if MASKED:
             pt = tl.where(offs_n[:, None] <= offs_m[None, :] + OFFSET, pt, 0.0)
         do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        dv = tl.dot(pt.to(do.dtype), do, dv)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
         delta = tl.load(delta_ptr + offs_m * stride_lm, mask=m_ok, other=0.0)
-        dpt = tl.dot(v, tl.trans(do))
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         dst = pt * (dpt - delta[None, :])
-        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PREC)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
     return dk, dv
@@ -104,7 +106,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh,
     HKV, GROUP, SQ, SK, OFFSET, qk_scale, dk_scale,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Grid `(cdiv(SK, BLOCK_N), B * HKV)`. Delta shares Lse's strides (both `[B, H, SQ]`)."""
     pid_n = tl.program_id(0)
@@ -143,11 +145,11 @@ def _attn_bwd_dkdv_kernel(
         if CAUSAL:
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_ls,
-                offs_n, m_lo, m_full, SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, True,
+                offs_n, m_lo, m_full, SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, True, DOT_PREC,
             )
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_ls,
-            offs_n, m_full, SQ, SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, False,
+            offs_n, m_full, SQ, SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, False, DOT_PREC,
         )
 
     # dS was computed for scores already scaled; the chain rule through S = scale * q k^T adds it here
@@ -163,7 +165,7 @@ def _dq_tiles(
     k_ptrs, v_ptrs, stride_kn, stride_vn,
     offs_m, lo, hi, SK, OFFSET, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Accumulate key tiles `[lo, hi)` into this query tile's dq. `k_ptrs` is a `[BLOCK_N, BLOCK_D]`
     tile at key 0 and `v_ptrs` a `[BLOCK_D, BLOCK_N]` (transposed) one."""
@@ -184,16 +186,16 @@ def _dq_tiles(
         else:
             k = tl.load(k_ptrs)
             vt = tl.load(v_ptrs)
-        s = tl.dot(q, tl.trans(k))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
             visible = n_ok[None, :]
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
             p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do, vt)
+        dp = tl.dot(do, vt, input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return dq
@@ -210,7 +212,7 @@ def _attn_bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh,
     H, GROUP, SQ, SK, OFFSET, qk_scale, dq_scale,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Grid `(cdiv(SQ, BLOCK_M), B * H)`."""
     num_m = tl.num_programs(0)
@@ -249,9 +251,9 @@ def _attn_bwd_dq_kernel(
         n_hi = SK
         n_full = n_even
     dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, 0, n_full, SK, OFFSET,
-                   qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, False)
+                   qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, False, DOT_PREC)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, n_full, n_hi, SK, OFFSET,
-                   qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, True)
+                   qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, True, DOT_PREC)
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
     tl.store(dq_ptrs, tl.load(dq_ptrs, mask=md_mask, other=0.0) + dq * dq_scale, mask=md_mask)
@@ -298,10 +300,13 @@ def bwd_configs(head_dim: int, dtype: torch.dtype, causal: bool) -> list[BwdConf
     tuned = [BWD_TUNED[(bd, dtype, causal)]] if (bd, dtype, causal) in BWD_TUNED else []
     if dtype == torch.float32:
         return tuned + [BwdConfig(64, 32, 4, 2, 64, 32, 4, 2), BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)]
+    # sweep on H200 (benchmarks/NOTES.md, step 1), each kernel timed alone
     if bd <= 64:
-        return tuned + [BwdConfig(128, 64, 8, 3, 128, 64, 8, 3), BwdConfig(64, 64, 4, 2, 64, 64, 4, 2)]
+        kv = (64, 64, 4, 3) if causal else (64, 32, 4, 3)
+        return tuned + [BwdConfig(*kv, 128, 32, 8, 3), BwdConfig(64, 32, 4, 2, 64, 32, 4, 2)]
     if bd <= 128:
-        return tuned + [BwdConfig(128, 64, 8, 2, 128, 64, 8, 2), BwdConfig(64, 64, 4, 2, 64, 64, 4, 2)]
+        return tuned + [BwdConfig(128, 64, 8, 3, 128, 64, 8, 3), BwdConfig(64, 32, 4, 2, 64, 64, 4, 2)]
+    # d=256: not timed; sized to fit shared memory (ptxas: spills)
     return tuned + [BwdConfig(64, 64, 8, 2, 64, 64, 8, 2), BwdConfig(64, 32, 8, 1, 64, 32, 8, 1),
                     BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)]
 
@@ -368,6 +373,7 @@ def _backward_impl(
             dv_acc.stride(0), dv_acc.stride(1), dv_acc.stride(2),
             hkv, h // hkv, sq, sk, offset, qk_scale, dk_scale,
             HEAD_D=d, BLOCK_D=bd, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, CAUSAL=causal,
+            DOT_PREC=dot_precision(q.dtype),
             num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
         )
 
@@ -383,6 +389,7 @@ def _backward_impl(
             dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
             h, h // hkv, sq, sk, offset, qk_scale, dq_scale,
             HEAD_D=d, BLOCK_D=bd, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, CAUSAL=causal,
+            DOT_PREC=dot_precision(q.dtype),
             num_warps=cfg.q_warps, num_stages=cfg.q_stages,
         )
 
@@ -417,7 +424,7 @@ def attention_backward(
 
     Args:
         dout: `[b, sq, h, d]` gradient of the global output (any strides, last dim contiguous preferred).
-        q: `[b, sq, h, d]`; k, v: `[b, sk, hkv, d]`; bf16, fp16 or fp32 (fp32 dots in TF32).
+        q: `[b, sq, h, d]`; k, v: `[b, sk, hkv, d]`; bf16, fp16 or fp32 (fp32 dots in 3-pass TF32).
         out: `[b, sq, h, d]` the *global* output (unused here: `delta` already carries it).
         lse: `[b, h, sq]` float32, the *global* lse (natural log); rows with `-inf` contribute 0.
         delta: `[b, h, sq]` float32, `rowsum(dout * out)` (minus any lse gradient).

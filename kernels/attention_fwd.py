@@ -7,8 +7,8 @@ entirely run without any mask; only the tiles the causal boundary (or the key ta
 masking; tiles no row sees are never visited. With accumulators the epilogue merges the block into
 `(out_acc, lse_acc)` (DESIGN §3), so one ring step is one kernel.
 
-Precision: bf16/fp16 operands with float32 accumulation. float32 inputs use TF32 tensor-core dots
-(Triton's default `input_precision` for float32 `tl.dot`), within DESIGN §7's float32 bound.
+Precision: bf16/fp16 operands with float32 accumulation. float32 inputs use 3-pass TF32 tensor-core
+dots (`input_precision="tf32x3"`): plain TF32 missed DESIGN §7's float32 bound (1e-3 * max|ref|).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _fwd_tiles(
     k_ptrs, v_ptrs, stride_kn, stride_vn,
     offs_m, offs_d, lo, hi, SK, OFFSET, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Online softmax over key tiles `[lo, hi)`; `k_ptrs` is a `[BLOCK_D, BLOCK_N]` (transposed) tile
     at key 0, `v_ptrs` a `[BLOCK_N, BLOCK_D]` tile at key 0."""
@@ -49,7 +49,7 @@ def _fwd_tiles(
             kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
         else:
             kt = tl.load(k_ptrs)
-        qk = tl.dot(q, kt)
+        qk = tl.dot(q, kt, input_precision=DOT_PREC)
         if MASKED:
             visible = n_ok[None, :]
             if CAUSAL:
@@ -75,7 +75,7 @@ def _fwd_tiles(
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
         else:
             v = tl.load(v_ptrs)
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -93,7 +93,7 @@ def _attn_fwd_kernel(
     H, GROUP, SQ, SK, OFFSET, qk_scale,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, ACCUM: tl.constexpr,
+    CAUSAL: tl.constexpr, ACCUM: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Grid `(cdiv(SQ, BLOCK_M), B * H)`. `qk_scale` = softmax_scale * log2(e). With ACCUM, `Out`/`Lse`
     are the float32 running state, read and merged in place; otherwise fresh outputs."""
@@ -136,11 +136,11 @@ def _attn_fwd_kernel(
         n_full = n_even
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, 0, n_full, SK, OFFSET,
-        qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, False,
+        qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, False, DOT_PREC,
     )
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, n_full, n_hi, SK, OFFSET,
-        qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, True,
+        qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, True, DOT_PREC,
     )
 
     # rows that saw no key: l = 0 -> out 0, lse -inf (never 0/0)
@@ -187,6 +187,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs: 3-pass TF32 ("tf32x3", about float32 accuracy on the tensor cores; plain TF32
+    missed DESIGN §7's 1e-3 * max|ref| by 1.5-3x on H200). 16-bit inputs ignore it."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
 def block_d(head_dim: int) -> int:
     """The padded head dim a kernel tile uses: a power of two >= 16 (dots need K >= 16)."""
     return max(16, triton.next_power_of_2(head_dim))
@@ -215,11 +221,13 @@ def fwd_configs(head_dim: int, dtype: torch.dtype, causal: bool) -> list[FwdConf
     tuned = [FWD_TUNED[(bd, dtype, causal)]] if (bd, dtype, causal) in FWD_TUNED else []
     if dtype == torch.float32:
         return tuned + [FwdConfig(64, 32, 4, 2), FwdConfig(32, 32, 4, 1)]
-    # 8 warps: the 4-warp 128-row tiles spill at these head dims (ptxas, sm_90)
+    # sweep on H200 (benchmarks/NOTES.md, step 1): 128x64 tiles, 8 warps won at d=64 and d=128, causal
+    # or not (4-warp 128-row tiles spill registers at d=128)
     if bd <= 64:
-        return tuned + [FwdConfig(128, 64, 8, 4), FwdConfig(128, 128, 8, 3), FwdConfig(64, 64, 4, 2)]
+        return tuned + [FwdConfig(128, 64, 8, 4), FwdConfig(128, 64, 4, 3), FwdConfig(64, 64, 4, 2)]
     if bd <= 128:
-        return tuned + [FwdConfig(128, 64, 8, 3), FwdConfig(128, 128, 8, 2), FwdConfig(64, 64, 4, 2)]
+        return tuned + [FwdConfig(128, 64, 8, 3), FwdConfig(64, 64, 4, 3), FwdConfig(64, 32, 4, 2)]
+    # d=256: not timed; 128x64 fits in shared memory (192 KB, ptxas: small spills)
     return tuned + [FwdConfig(128, 64, 8, 2), FwdConfig(64, 64, 4, 2), FwdConfig(64, 32, 4, 1)]
 
 
@@ -316,7 +324,7 @@ def _forward_impl(
             lse.stride(0), lse.stride(1), lse.stride(2),
             h, h // hkv, sq, sk, offset, qk_scale,
             HEAD_D=d, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, ACCUM=accum,
+            CAUSAL=causal, ACCUM=accum, DOT_PREC=dot_precision(q.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -343,7 +351,7 @@ def attention_forward(
 
     Args:
         q: `[b, sq, h, d]`; k, v: `[b, sk, hkv, d]` with `h % hkv == 0` (GQA by indexing, K/V never
-            repeated); bf16, fp16 or fp32 (fp32 dots run in TF32); any strides, last dim contiguous
+            repeated); bf16, fp16 or fp32 (fp32 dots in 3-pass TF32); any strides, last dim contiguous
             preferred (copied otherwise). `d <= 256` (non powers of two are padded in registers).
         softmax_scale: multiplies `q @ k^T`.
         causal: key `j` visible to query `i` iff `k_start + j <= q_start + i`.
