@@ -382,6 +382,27 @@ def _empty_rows(like: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
     return out, lay
 
 
+def _output_rows(
+    out: torch.Tensor | None, like: torch.Tensor, dim: int, shape: torch.Size, dtype: torch.dtype, what: str
+) -> tuple[torch.Tensor, tuple[int, int, int, int, int], torch.Tensor | None]:
+    """Row view of the output and its folding: the caller's `out` when its layout folds, else a fresh
+    buffer shaped like the row view `like`; the third item is the `out` to copy into at the end."""
+    if out is not None:
+        if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+            raise ValueError(f"{what}: out must be {tuple(shape)} {dtype}, got {tuple(out.shape)} {out.dtype}")
+        om = out.movedim(dim, -1)
+        lay = _fold_rows(om)
+        if lay is not None:
+            return om, lay, None
+    ym, lay = _empty_rows(like, dtype)
+    return ym, lay, out
+
+
+def _finish(ym: torch.Tensor, dim: int, target: torch.Tensor | None) -> torch.Tensor:
+    y = ym.movedim(-1, dim)
+    return y if target is None else target.copy_(y)
+
+
 def _col64(n: int, *strides: int) -> bool:
     return max([abs(s) for s in strides] + [1]) * n >= 2**31
 
@@ -431,20 +452,11 @@ def softmax_forward(
         return softmax_forward(x.reshape(1), 0, log=log, out=None if out is None else out.reshape(1)).reshape(())
     dim = dim % x.dim()
     xm, (O, I, sx_o, sx_i, sx_n) = _as_rows(x, dim)
-    if out is None:
-        ym, (_, _, sy_o, sy_i, sy_n) = _empty_rows(xm, x.dtype)
-    else:
-        if out.shape != x.shape or out.dtype != x.dtype:
-            raise ValueError(f"softmax: out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
-        ym = out.movedim(dim, -1)
-        lay = _fold_rows(ym)
-        if lay is None:
-            raise ValueError("softmax: out's layout does not fold into rows; pass a contiguous out")
-        _, _, sy_o, sy_i, sy_n = lay
+    ym, (_, _, sy_o, sy_i, sy_n), target = _output_rows(out, xm, dim, x.shape, x.dtype, "softmax")
     N = xm.shape[-1]
     R = O * I
     if R == 0 or N == 0:
-        return ym.movedim(-1, dim)
+        return _finish(ym, dim, target)
     mode = _LOG_SOFTMAX if log else _SOFTMAX
     col64 = _col64(N, sx_n, sy_n)
     if N <= int(TUNING["max_row_block"]):
@@ -469,7 +481,7 @@ def softmax_forward(
             MODE=mode, FUSED=n_pieces == 1, NP_BLOCK=triton.next_power_of_2(n_pieces), BLOCK_N=chunk,
             COL64=col64, num_warps=warps,
         )
-    return ym.movedim(-1, dim)
+    return _finish(ym, dim, target)
 
 
 def logsumexp_forward(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -551,18 +563,11 @@ def softmax_backward(
     g = g.to(y.dtype)
     ym, (O, I, sy_o, sy_i, sy_n) = _as_rows(y, dim)
     gm, (_, _, sg_o, sg_i, sg_n) = _as_rows(g, dim)
-    if out is None:
-        dm, (_, _, sd_o, sd_i, sd_n) = _empty_rows(ym, y.dtype)
-    else:
-        dm = out.movedim(dim, -1)
-        lay = _fold_rows(dm)
-        if lay is None or out.shape != y.shape or out.dtype != y.dtype:
-            raise ValueError("softmax_backward: out must have y's shape and dtype and a foldable layout")
-        _, _, sd_o, sd_i, sd_n = lay
+    dm, (_, _, sd_o, sd_i, sd_n), target = _output_rows(out, ym, dim, y.shape, y.dtype, "softmax_backward")
     N = ym.shape[-1]
     R = O * I
     if R == 0 or N == 0:
-        return dm.movedim(-1, dim)
+        return _finish(dm, dim, target)
     col64 = _col64(N, sy_n, sg_n, sd_n)
     if N <= int(TUNING["max_row_block_bwd"]):
         block_r, block_n = _short_tile(R, N)
@@ -585,7 +590,7 @@ def softmax_backward(
             LOG=log, FUSED=n_pieces == 1, NP_BLOCK=triton.next_power_of_2(n_pieces), BLOCK_N=chunk,
             COL64=col64, num_warps=warps,
         )
-    return dm.movedim(-1, dim)
+    return _finish(dm, dim, target)
 
 
 def logsumexp_backward(
@@ -609,18 +614,11 @@ def logsumexp_backward(
         lse, g = lse.reshape(()), g.reshape(())
     dim = dim % x.dim()
     xm, (O, I, sx_o, sx_i, sx_n) = _as_rows(x, dim)
-    if out is None:
-        dm, (_, _, sd_o, sd_i, sd_n) = _empty_rows(xm, x.dtype)
-    else:
-        dm = out.movedim(dim, -1)
-        lay = _fold_rows(dm)
-        if lay is None or out.shape != x.shape or out.dtype != x.dtype:
-            raise ValueError("logsumexp_backward: out must have x's shape and dtype and a foldable layout")
-        _, _, sd_o, sd_i, sd_n = lay
+    dm, (_, _, sd_o, sd_i, sd_n), target = _output_rows(out, xm, dim, x.shape, x.dtype, "logsumexp_backward")
     N = xm.shape[-1]
     R = O * I
     if R == 0 or N == 0:
-        return dm.movedim(-1, dim)
+        return _finish(dm, dim, target)
     lse = lse.reshape(R).to(torch.float32).contiguous()
     g = g.reshape(R).contiguous()
     block_n = min(triton.next_power_of_2(N), 2048)
@@ -630,7 +628,7 @@ def logsumexp_backward(
         xm, lse, g, dm, R, N, I, sx_o, sx_i, sx_n, sd_o, sd_i, sd_n, n_col_tiles,
         BLOCK_R=block_r, BLOCK_N=block_n, COL64=_col64(N, sx_n, sd_n), num_warps=_row_warps(block_r * block_n),
     )
-    return dm.movedim(-1, dim)
+    return _finish(dm, dim, target)
 
 
 # ----------------------------------------------------------------------------------------------------

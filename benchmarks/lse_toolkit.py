@@ -1,0 +1,449 @@
+"""LSE toolkit against PyTorch: softmax / log_softmax / logsumexp and the log-semiring bmm (DESIGN §8, §9).
+
+Softmax family, per `rows x cols` (about 64M elements each, so every tensor is several times the L2):
+ours (the `ringlse.kernels.softmax` launchers) vs `torch.softmax` / `torch.log_softmax` /
+`torch.logsumexp`, forward and backward (PyTorch's backward: the ops its autograd runs, see `_fns`;
+neither side pays autograd overhead), as time, GB/s and GB/s over the device copy
+bandwidth measured in this same run (`dst.copy_(src)` of 1 GiB, read + write). Bytes counted: forward
+softmax/log_softmax read x and write y; logsumexp reads x (and writes one value per row); backward
+softmax/log_softmax read y and g and write dx; logsumexp backward reads x and writes dx.
+
+log_bmm: ours vs the naive PyTorch form `(a[:, :, :, None] + b[:, None]).logsumexp(2)`, forward and
+backward (naive backward: autograd through the naive form when it fits in memory, else the same per
+batch element, summed; the JSON says which), time and peak memory.
+
+Times are `triton.testing.do_bench` medians (it flushes L2 before each run). A few launch variants are
+swept too (row-block limit, long-row chunk, log_bmm tiles), so that one GPU run can also tune.
+
+Usage: python benchmarks/lse_toolkit.py [--out DIR] [--quick]
+    writes DIR/lse_toolkit-<gpu>.json and DIR/lse_toolkit-<gpu>-{softmax,log_bmm}.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from ringlse.kernels import log_bmm as kl
+from ringlse.kernels import softmax as ks
+
+# DESIGN §9, one H200, torch 2.11, triton 3.6
+PEER_FIGURES = {
+    "copy_TBps": 4.27,
+    "torch_softmax_fp32_fwd_TBps": [2.0, 2.7],
+    "torch_softmax_fp32_bwd_TBps": [1.7, 1.9],
+    "torch_logsumexp_fp32_TBps": [0.44, 0.60],
+    "naive_log_bmm_8x1024x1024x1024_fp32": {"ms": 78, "peak_GB": 66},
+}
+BARS = {
+    "softmax_fwd_vs_copy": 0.85,
+    "softmax_fwd_vs_torch": 1.3,
+    "softmax_bwd_vs_torch": 1.2,
+    "logsumexp_vs_torch": 4.0,
+    "log_bmm_fwd_vs_naive": 20.0,
+    "log_bmm_bwd_vs_naive": 20.0,
+    "log_bmm_peak_vs_io": 2.0,
+}
+
+TOTAL = 1 << 26  # elements per softmax case
+COLS = [1024, 4096, 16384, 32768, 65536, 131072, 1 << 20]
+EXTRA = [(4, 1 << 20, torch.float32), (8, 131072, torch.float32), (16384, 4096, torch.bfloat16),
+         (512, 131072, torch.bfloat16), (1 << 20, 97, torch.float32)]
+LOG_BMM = [(8, 1024, 1024, 1024), (8, 512, 512, 512), (4, 256, 256, 256), (2, 97, 1000, 130)]
+
+
+def bench(fn, rep: int = 100) -> float:
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def peak_gb(fn) -> float:
+    """Peak device memory allocated while `fn` runs, above what was allocated before (GB)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
+def copy_gbps() -> float:
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), rep=200)
+    return 2 * src.numel() * 4 / ms / 1e6
+
+
+# ----------------------------------------------------------------------------------------------------
+# softmax family
+
+def _fns(op: str, x: torch.Tensor):
+    """(ours fwd, ours bwd, torch fwd, torch bwd) closures for `op` on `x`: the launchers without
+    autograd on our side, and on PyTorch's the ops its autograd runs (aten `_softmax_backward_data` /
+    `_log_softmax_backward_data`, and for logsumexp its eager formula `g * exp(x - lse)`)."""
+    dt = x.dtype
+    if op == "logsumexp":
+        lse = ks.logsumexp_forward(x)
+        tl_ = torch.logsumexp(x, -1)
+        g = torch.randn_like(tl_)
+        return (
+            lambda: ks.logsumexp_forward(x),
+            lambda: ks.logsumexp_backward(x, lse, g),
+            lambda: torch.logsumexp(x, -1),
+            lambda: g.unsqueeze(-1) * (x - tl_.unsqueeze(-1)).exp(),
+        )
+    log = op == "log_softmax"
+    y = ks.softmax_forward(x, log=log)
+    ty = torch.log_softmax(x, -1) if log else torch.softmax(x, -1)
+    g = torch.randn_like(y)
+    tbwd = torch.ops.aten._log_softmax_backward_data if log else torch.ops.aten._softmax_backward_data
+    return (
+        lambda: ks.softmax_forward(x, log=log),
+        lambda: ks.softmax_backward(y, g, log=log),
+        (lambda: torch.log_softmax(x, -1)) if log else (lambda: torch.softmax(x, -1)),
+        lambda: tbwd(g, ty, -1, dt),
+    )
+
+
+def family_case(rows: int, cols: int, dtype: torch.dtype, copy: float) -> list[dict]:
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype) * 3
+    es = x.element_size()
+    n = rows * cols
+    records = []
+    for op in ("softmax", "log_softmax", "logsumexp"):
+        rec = {"op": op, "rows": rows, "cols": cols, "dtype": str(dtype).split(".")[-1]}
+        fwd_bytes = 2 * n * es if op != "logsumexp" else n * es + rows * es
+        bwd_bytes = 3 * n * es if op != "logsumexp" else 2 * n * es
+        ours_f, ours_b, torch_f, torch_b = _fns(op, x)
+        ref = torch_f().float()
+        finite = torch.isfinite(ref)
+        rec["fwd_max_abs_err_vs_torch"] = (ours_f().float() - ref)[finite].abs().max().item()
+        rec["bwd_max_abs_err_vs_torch"] = (ours_b().float() - torch_b().float()).abs().max().item()
+        del ref, finite
+        for who, f, b in (("ours", ours_f, ours_b), ("torch", torch_f, torch_b)):
+            f_ms, b_ms = bench(f), bench(b)
+            rec[who] = {
+                "fwd_ms": f_ms, "bwd_ms": b_ms,
+                "fwd_GBps": fwd_bytes / f_ms / 1e6, "bwd_GBps": bwd_bytes / b_ms / 1e6,
+                "fwd_vs_copy": fwd_bytes / f_ms / 1e6 / copy, "bwd_vs_copy": bwd_bytes / b_ms / 1e6 / copy,
+                "fwd_peak_GB": peak_gb(f), "bwd_peak_GB": peak_gb(b),
+            }
+        rec["fwd_speedup"] = rec["torch"]["fwd_ms"] / rec["ours"]["fwd_ms"]
+        rec["bwd_speedup"] = rec["torch"]["bwd_ms"] / rec["ours"]["bwd_ms"]
+        records.append(rec)
+        del ours_f, ours_b, torch_f, torch_b
+    return records
+
+
+def sweep_variants(copy: float) -> list[dict]:
+    """Forward softmax/logsumexp and softmax backward under other dispatch knobs (fp32)."""
+    out = []
+    saved = dict(ks.TUNING)
+    cases = [
+        (4096, 16384, {"max_row_block": 8192}),  # 16K cols as two-pass long rows instead
+        (2048, 32768, {"max_row_block": 32768}),  # 32K cols held in registers (32 warps)
+        (2048, 32768, {"max_row_block": 32768, "row_warps": 16}),
+        (512, 131072, {"chunk": 2048, "chunk_warps": 4}),
+        (512, 131072, {"chunk": 8192, "chunk_warps": 8}),
+        (512, 131072, {"chunk": 8192, "chunk_warps": 16}),
+        (512, 131072, {"split_rows": 1 << 30}),  # rows split over programs even when there are many
+        (64, 1 << 20, {"split_rows": 1 << 30}),
+        (8192, 8192, {"max_row_block_bwd": 4096}),  # backward of 8K cols as two-pass long rows
+        (4096, 16384, {"max_row_block_bwd": 16384}),  # backward of 16K cols in registers
+    ]
+    for rows, cols, knobs in cases:
+        ks.TUNING.clear()
+        ks.TUNING.update(saved)
+        ks.TUNING.update(knobs)
+        x = torch.randn(rows, cols, device="cuda") * 3
+        n = rows * cols
+        rec = {"rows": rows, "cols": cols, "knobs": knobs}
+        try:
+            rec["softmax_fwd_ms"] = bench(lambda: ks.softmax_forward(x))
+            rec["softmax_fwd_vs_copy"] = 2 * n * 4 / rec["softmax_fwd_ms"] / 1e6 / copy
+            rec["logsumexp_fwd_ms"] = bench(lambda: ks.logsumexp_forward(x))
+            y = ks.softmax_forward(x)
+            g = torch.randn_like(y)
+            rec["softmax_bwd_ms"] = bench(lambda: ks.softmax_backward(y, g))
+            rec["softmax_bwd_vs_copy"] = 3 * n * 4 / rec["softmax_bwd_ms"] / 1e6 / copy
+        except Exception as e:  # a variant that does not compile or fit is data too
+            rec["error"] = repr(e)[:300]
+        out.append(rec)
+        print(f"  variant {rows}x{cols} {knobs}: " + ", ".join(f"{k}={v:.4g}" for k, v in rec.items() if isinstance(v, float)), flush=True)
+    ks.TUNING.clear()
+    ks.TUNING.update(saved)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# log_bmm
+
+
+def naive_log_bmm(a, b):
+    return (a[:, :, :, None] + b[:, None, :, :]).logsumexp(2)
+
+
+def log_bmm_case(B, N, M, P) -> dict:
+    a = torch.randn(B, N, M, device="cuda") * 2
+    b = torch.randn(B, M, P, device="cuda") * 2
+    g = torch.randn(B, N, P, device="cuda")
+    io_gb = (a.numel() + b.numel() + B * N * P) * 4 / 1e9
+    rec = {"B": B, "N": N, "M": M, "P": P, "terms": B * N * M * P, "inputs_plus_output_GB": io_gb}
+    out = kl.log_bmm_forward(a, b)
+    rec["ours_fwd_ms"] = bench(lambda: kl.log_bmm_forward(a, b))
+    rec["ours_fwd_peak_GB"] = peak_gb(lambda: kl.log_bmm_forward(a, b))
+    rec["ours_bwd_ms"] = bench(lambda: kl.log_bmm_backward(a, b, out, g))
+    rec["ours_bwd_peak_GB"] = peak_gb(lambda: kl.log_bmm_backward(a, b, out, g))
+    rec["ours_Gterms_per_s_fwd"] = B * N * M * P / rec["ours_fwd_ms"] / 1e6
+    rec["ours_Gterms_per_s_bwd"] = 2 * B * N * M * P / rec["ours_bwd_ms"] / 1e6
+    # naive forward
+    try:
+        ref = naive_log_bmm(a, b)
+        rec["fwd_max_abs_err_vs_naive"] = (out - ref).abs().max().item()
+        del ref
+        rec["naive_fwd_ms"] = bench(lambda: naive_log_bmm(a, b), rep=20)
+        rec["naive_fwd_peak_GB"] = peak_gb(lambda: naive_log_bmm(a, b))
+        rec["fwd_speedup"] = rec["naive_fwd_ms"] / rec["ours_fwd_ms"]
+    except torch.OutOfMemoryError:
+        rec["naive_fwd"] = "out of memory"
+    torch.cuda.empty_cache()
+    # naive backward: autograd through the naive form (graph built once, backward timed), or per batch
+    ar, br = a.clone().requires_grad_(), b.clone().requires_grad_()
+    try:
+        o = naive_log_bmm(ar, br)
+        rec["naive_bwd_ms"] = bench(lambda: torch.autograd.grad(o, (ar, br), g, retain_graph=True), rep=20)
+        rec["naive_bwd_peak_GB"] = peak_gb(lambda: torch.autograd.grad(o, (ar, br), g, retain_graph=True))
+        rec["naive_bwd_method"] = "autograd through the naive form, whole batch"
+        ga, gb = torch.autograd.grad(o, (ar, br), g)
+        oga, ogb = kl.log_bmm_backward(a, b, out, g)
+        rec["bwd_max_rel_err_vs_naive"] = max(
+            ((oga - ga).abs().max() / ga.abs().max()).item(), ((ogb - gb).abs().max() / gb.abs().max()).item()
+        )
+        del o, ga, gb, oga, ogb
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        # one batch element's graph fits: time its backward and scale by B (elements are alike)
+        ai, bi = a[:1].clone().requires_grad_(), b[:1].clone().requires_grad_()
+        oi = naive_log_bmm(ai, bi)
+        t1 = bench(lambda: torch.autograd.grad(oi, (ai, bi), g[:1], retain_graph=True), rep=20)
+        rec["naive_bwd_ms"] = t1 * B
+        rec["naive_bwd_method"] = f"autograd through the naive form per batch element (1 of {B} timed, x{B})"
+        rec["naive_bwd_peak_GB"] = peak_gb(lambda: torch.autograd.grad(oi, (ai, bi), g[:1], retain_graph=True))
+        del oi, ai, bi
+    if "naive_bwd_ms" in rec:
+        rec["bwd_speedup"] = rec["naive_bwd_ms"] / rec["ours_bwd_ms"]
+    # total peak (the inputs, already allocated, plus what the call allocates) over inputs + outputs
+    in_gb = (a.numel() + b.numel()) * 4 / 1e9
+    rec["ours_fwd_peak_vs_io"] = (in_gb + rec["ours_fwd_peak_GB"]) / io_gb
+    if "naive_fwd_peak_GB" in rec:
+        rec["naive_fwd_peak_vs_io"] = (in_gb + rec["naive_fwd_peak_GB"]) / io_gb
+    bwd_in = in_gb + 2 * B * N * P * 4 / 1e9  # a, b, out, g
+    rec["ours_bwd_peak_vs_io"] = (bwd_in + rec["ours_bwd_peak_GB"]) / (bwd_in + in_gb)
+    del ar, br
+    torch.cuda.empty_cache()
+    return rec
+
+
+def log_bmm_variants() -> list[dict]:
+    saved = dict(kl.TUNING)
+    B, N, M, P = 8, 512, 512, 512
+    a = torch.randn(B, N, M, device="cuda")
+    b = torch.randn(B, M, P, device="cuda")
+    g = torch.randn(B, N, P, device="cuda")
+    out_v = []
+    for warps, vecs, unroll in [(4, 8, 2), (4, 8, 4), (4, 4, 4), (8, 8, 2), (4, 16, 2), (2, 8, 4)]:
+        kl.TUNING.update(fwd_warps=warps, fwd_vecs=vecs, bwd_warps=warps, bwd_vecs=vecs, unroll=unroll)
+        rec = {"warps": warps, "vecs": vecs, "unroll": unroll}
+        try:
+            out = kl.log_bmm_forward(a, b)
+            rec["fwd_ms"] = bench(lambda: kl.log_bmm_forward(a, b))
+            rec["bwd_ms"] = bench(lambda: kl.log_bmm_backward(a, b, out, g))
+        except Exception as e:
+            rec["error"] = repr(e)[:300]
+        print(f"  log_bmm variant {rec}", flush=True)
+        out_v.append(rec)
+    kl.TUNING.clear()
+    kl.TUNING.update(saved)
+    return out_v
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def plots(result: dict, stem: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fam = [r for r in result["softmax_family"] if r["dtype"] == "float32" and r["rows"] * r["cols"] == TOTAL]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    for op, color in (("softmax", "C0"), ("log_softmax", "C1"), ("logsumexp", "C2")):
+        rs = sorted([r for r in fam if r["op"] == op], key=lambda r: r["cols"])
+        cols = [r["cols"] for r in rs]
+        for who, ls in (("ours", "-"), ("torch", "--")):
+            axes[0].plot(cols, [r[who]["fwd_ms"] for r in rs], ls, color=color, marker="o", label=f"{op} fwd {who}")
+            axes[1].plot(cols, [r[who]["bwd_ms"] for r in rs], ls, color=color, marker="o", label=f"{op} bwd {who}")
+            axes[2].plot(cols, [r[who]["fwd_peak_GB"] + r[who]["bwd_peak_GB"] for r in rs], ls, color=color,
+                         marker="o", label=f"{op} {who}")
+    for ax, title in zip(axes, ("forward time (ms)", "backward time (ms)", "peak extra memory fwd+bwd (GB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(f"columns (rows = 2^26 / columns), fp32, {result['gpu']}")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7)
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    p = f"{stem}-softmax.png"
+    fig.savefig(p, dpi=110)
+    paths.append(p)
+    plt.close(fig)
+
+    lb = sorted(result["log_bmm"], key=lambda r: r["terms"])
+    if lb:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+        terms = [r["terms"] for r in lb]
+        axes[0].plot(terms, [r["ours_fwd_ms"] for r in lb], "-o", label="ours fwd")
+        axes[0].plot(terms, [r["ours_bwd_ms"] for r in lb], "-s", label="ours bwd")
+        axes[0].plot(terms, [r.get("naive_fwd_ms", float("nan")) for r in lb], "--o", label="naive fwd")
+        axes[0].plot(terms, [r.get("naive_bwd_ms", float("nan")) for r in lb], "--s", label="naive bwd")
+        axes[1].plot(terms, [r["ours_fwd_peak_GB"] for r in lb], "-o", label="ours fwd")
+        axes[1].plot(terms, [r["ours_bwd_peak_GB"] for r in lb], "-s", label="ours bwd")
+        axes[1].plot(terms, [r.get("naive_fwd_peak_GB", float("nan")) for r in lb], "--o", label="naive fwd")
+        axes[1].plot(terms, [r.get("naive_bwd_peak_GB", float("nan")) for r in lb], "--s", label="naive bwd")
+        axes[1].plot(terms, [r["inputs_plus_output_GB"] for r in lb], ":", color="k", label="inputs + output")
+        for ax, title in zip(axes, ("time (ms)", "peak extra memory (GB)")):
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel(f"B*N*M*P (fp32), {result['gpu']}")
+            ax.set_title(f"log_bmm {title}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        p = f"{stem}-log_bmm.png"
+        fig.savefig(p, dpi=110)
+        paths.append(p)
+        plt.close(fig)
+    return paths
+
+
+def summarize(result: dict) -> dict:
+    fam = result["softmax_family"]
+    big32 = [r for r in fam if r["dtype"] == "float32" and r["cols"] >= 4096]
+
+    def mn(vals):
+        return min(vals) if vals else None
+
+    s = {
+        "softmax_fwd_vs_copy_min_cols_ge_4K": mn([r["ours"]["fwd_vs_copy"] for r in big32 if r["op"] == "softmax"]),
+        "softmax_fwd_vs_torch_min_cols_ge_4K": mn([r["fwd_speedup"] for r in big32 if r["op"] == "softmax"]),
+        "softmax_bwd_vs_torch_min_cols_ge_4K": mn([r["bwd_speedup"] for r in big32 if r["op"] == "softmax"]),
+        "logsumexp_fwd_vs_torch_min_cols_ge_4K": mn([r["fwd_speedup"] for r in big32 if r["op"] == "logsumexp"]),
+        "log_bmm_fwd_vs_naive": {f"{r['B']}x{r['N']}x{r['M']}x{r['P']}": r.get("fwd_speedup") for r in result["log_bmm"]},
+        "log_bmm_bwd_vs_naive": {f"{r['B']}x{r['N']}x{r['M']}x{r['P']}": r.get("bwd_speedup") for r in result["log_bmm"]},
+        "log_bmm_fwd_peak_vs_io": {f"{r['B']}x{r['N']}x{r['M']}x{r['P']}": r.get("ours_fwd_peak_vs_io") for r in result["log_bmm"]},
+    }
+    return s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--quick", action="store_true", help="fewer sizes, no variant sweeps")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: family,variants,log_bmm,lbmm_variants")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    os.makedirs(args.out, exist_ok=True)
+    gpu = torch.cuda.get_device_name()
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    stem = os.path.join(args.out, f"lse_toolkit-{slug}")
+    result = {
+        "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "timing": "triton.testing.do_bench median (L2 flushed per run)",
+        "peer_figures_DESIGN_s9": PEER_FIGURES, "bars": BARS,
+        "tuning_softmax": dict(ks.TUNING), "tuning_log_bmm": dict(kl.TUNING),
+        "softmax_family": [], "variants": [], "log_bmm": [], "log_bmm_variants": [],
+    }
+
+    def save():
+        result["summary"] = summarize(result) if result["softmax_family"] else {}
+        with open(f"{stem}.json", "w") as f:
+            json.dump(result, f, indent=1)
+
+    t0 = time.time()
+    copy = copy_gbps()
+    result["copy_GBps"] = copy
+    print(f"{gpu}: device copy {copy:.0f} GB/s (read + write)", flush=True)
+    def family(cases):
+        for rows, cols, dtype in cases:
+            result["softmax_family"] += family_case(rows, cols, dtype, copy)
+            r = result["softmax_family"][-3]
+            print(f"  {rows}x{cols} {dtype}: softmax fwd {r['ours']['fwd_vs_copy']:.2f} of copy, "
+                  f"x{r['fwd_speedup']:.2f} torch ({time.time() - t0:.0f}s)", flush=True)
+            save()
+
+    def plot():
+        try:
+            result["plots"] = [os.path.basename(p) for p in plots(result, stem)]
+            save()
+        except Exception as e:
+            print(f"plots failed: {e!r}")
+
+    # most important first: a run cut short by its time limit still leaves a JSON of what it measured
+    if "family" not in skip:
+        family([(TOTAL // c, c, torch.float32) for c in COLS])
+    if "log_bmm" not in skip:
+        for dims in LOG_BMM[1:] if args.quick else LOG_BMM:
+            try:
+                result["log_bmm"].append(log_bmm_case(*dims))
+            except Exception as e:
+                result["log_bmm"].append({"dims": dims, "error": repr(e)[:300]})
+            short = {k: v for k, v in result["log_bmm"][-1].items() if "ms" in k or "speedup" in k or "err" in k}
+            print(f"  log_bmm {dims}: {short} ({time.time() - t0:.0f}s)", flush=True)
+            save()
+    plot()
+    if not args.quick and "variants" not in skip:
+        result["variants"] = sweep_variants(copy)
+        save()
+    if not args.quick and "lbmm_variants" not in skip:
+        result["log_bmm_variants"] = log_bmm_variants()
+        save()
+    if not args.quick and "family" not in skip:
+        family(EXTRA)
+    plot()
+
+    # compact table
+    print(f"\n{gpu}, torch {torch.__version__}, triton {triton.__version__}, copy {copy:.0f} GB/s")
+    print(f"{'op':<12}{'rows x cols':>16}{'dtype':>9}{'fwd ms':>9}{'torch':>9}{'x':>6}{'of copy':>8}"
+          f"{'bwd ms':>9}{'torch':>9}{'x':>6}")
+    for r in result["softmax_family"]:
+        o, t = r["ours"], r["torch"]
+        print(f"{r['op']:<12}{str(r['rows']) + 'x' + str(r['cols']):>16}{r['dtype']:>9}{o['fwd_ms']:>9.3f}"
+              f"{t['fwd_ms']:>9.3f}{r['fwd_speedup']:>6.2f}{o['fwd_vs_copy']:>8.2f}{o['bwd_ms']:>9.3f}"
+              f"{t['bwd_ms']:>9.3f}{r['bwd_speedup']:>6.2f}")
+    for r in result["log_bmm"]:
+        if "error" in r:
+            print("log_bmm", r)
+            continue
+        print(f"log_bmm {r['B']}x{r['N']}x{r['M']}x{r['P']}: fwd {r['ours_fwd_ms']:.2f} ms vs naive "
+              f"{r.get('naive_fwd_ms', float('nan')):.2f} (x{r.get('fwd_speedup', float('nan')):.1f}), bwd "
+              f"{r['ours_bwd_ms']:.2f} vs {r.get('naive_bwd_ms', float('nan')):.2f} (x{r.get('bwd_speedup', float('nan')):.1f}); "
+              f"peak fwd {r['ours_fwd_peak_GB']:.3f} GB ({r['ours_fwd_peak_vs_io']:.2f}x io), naive "
+              f"{r.get('naive_fwd_peak_GB', float('nan')):.1f} GB")
+    print("summary:", json.dumps(result.get("summary", {})))
+    print(f"wrote {stem}.json ({time.time() - t0:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
