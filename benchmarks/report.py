@@ -1,0 +1,81 @@
+"""Markdown tables of the measured results, read only from benchmarks/results/*.json (the README's figures
+are pasted from this output, never typed in).
+
+    python3 benchmarks/report.py [--results DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _fmt(x, spec=".2f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else "–"
+
+
+def block_attention(d: dict) -> list[str]:
+    lines = [f"**Block attention** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}; `{d['command']}`), "
+             "bf16, TFLOP/s (ratio ours / peer):", "",
+             "| B×H | S | d | causal | ours fwd | FA2 fwd | cuDNN fwd | ours bwd | FA2 bwd | cuDNN bwd |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in d["rows"]:
+        lines.append(
+            f"| {r['batch']}×{r['heads']} | {r['seqlen']} | {r['head_dim']} | {r['causal']} | "
+            f"{r['ours_fwd_tflops']:.0f} | {r['sdpa_flash_fwd_tflops']:.0f} ({r['fwd_ratio_vs_sdpa_flash']:.2f}×) | "
+            f"{r['cudnn_fwd_tflops']:.0f} ({r['fwd_ratio_vs_cudnn']:.2f}×) | {r['ours_bwd_tflops']:.0f} | "
+            f"{r['sdpa_flash_bwd_tflops']:.0f} ({r['bwd_ratio_vs_sdpa_flash']:.2f}×) | "
+            f"{r['cudnn_bwd_tflops']:.0f} ({r['bwd_ratio_vs_cudnn']:.2f}×) |")
+    return lines
+
+
+def ring(d: dict) -> list[str]:
+    env = d["environment"]
+    lines = [f"**Ring attention** ({env['gpus']}× {env['gpu']}, torch {env['torch']}, triton {env['triton']}; "
+             f"`{env['command']}`), batch 1 × 32 heads × d 128, bf16; efficiency = T(1 GPU, full S) / (W·T(ring)); "
+             "ratio = ringlse time / PyTorch context-parallel time (< 1 is faster):", "",
+             "| impl | S | kv heads | causal | mode | ms | efficiency | TFLOP/s/GPU | time ratio vs torch CP |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(d["records"], key=lambda r: (r["mode"], r["seqlen"], r["kv_heads"], not r["causal"], r["impl"])):
+        ms = _fmt(r.get("ms")) if r.get("ms") is not None else "failed: " + r.get("error", "?")[:60]
+        lines.append(f"| {r['impl']}{' (' + r['rotate'] + ')' if r.get('rotate') else ''} | {r['seqlen']} | "
+                     f"{r['kv_heads']} | {r['causal']} | {r['mode']} | {ms} | {_fmt(r.get('efficiency'))} | "
+                     f"{_fmt(r.get('tflops_per_gpu'), '.0f')} | {_fmt(r.get('time_ratio_to_torch_cp'))} |")
+    return lines
+
+
+def generic(name: str, d: dict) -> list[str]:
+    """Other result files report their own summary rows (merge, LSE toolkit)."""
+    env = {k: d[k] for k in ("gpu", "torch", "triton", "command") if k in d}
+    rows = d.get("summary") or d.get("rows") or d.get("records") or []
+    lines = [f"**{name}** ({', '.join(f'{k} {v}' for k, v in env.items())}):", ""]
+    if rows and isinstance(rows, list) and isinstance(rows[0], dict):
+        keys = list(rows[0].keys())[:10]
+        lines += ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+        for r in rows:
+            lines.append("| " + " | ".join(_fmt(r.get(k), ".3g") if isinstance(r.get(k), float) else str(r.get(k))
+                                           for k in keys) + " |")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "results"))
+    args = p.parse_args()
+    for path in sorted(Path(args.results).glob("*.json")):
+        if "sweep" in path.name:
+            continue
+        d = json.loads(path.read_text())
+        if path.name.startswith("block_attention"):
+            lines = block_attention(d)
+        elif path.name.startswith("ring"):
+            lines = ring(d)
+        else:
+            lines = generic(path.stem, d)
+        print(f"<!-- from benchmarks/results/{path.name} -->")
+        print("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
