@@ -12,8 +12,10 @@ log_bmm: ours vs the naive PyTorch form `(a[:, :, :, None] + b[:, None]).logsume
 backward (naive backward: autograd through the naive form when it fits in memory, else the same per
 batch element, summed; the JSON says which), time and peak memory.
 
-Times are `triton.testing.do_bench` medians (it flushes L2 before each run). A few launch variants are
-swept too (row-block limit, long-row chunk, log_bmm tiles), so that one GPU run can also tune.
+Times are `triton.testing.do_bench` medians (it flushes L2 before each run). The run tunes first: short
+sweeps of the dispatch knobs (row-block limit, long-row chunk and warps, split threshold, log_bmm
+tiles) pick the winners, which are set before the main measurements and recorded in the JSON
+(`tuned_*`, `variants`, `log_bmm_variants`); the committed defaults are those winners.
 
 Usage: python benchmarks/lse_toolkit.py [--out DIR] [--quick]
     writes DIR/lse_toolkit-<gpu>.json and DIR/lse_toolkit-<gpu>-{softmax,log_bmm}.png
@@ -142,44 +144,57 @@ def family_case(rows: int, cols: int, dtype: torch.dtype, copy: float) -> list[d
     return records
 
 
-def sweep_variants(copy: float) -> list[dict]:
-    """Forward softmax/logsumexp and softmax backward under other dispatch knobs (fp32)."""
-    out = []
+def _time_knobs(knobs: dict, cases: list[tuple[int, int]], what: str) -> dict:
+    """Median ms of `what` (fwd: softmax forward; bwd: softmax backward; lse: logsumexp forward) per
+    fp32 case under `knobs`, restoring the tuning afterwards."""
     saved = dict(ks.TUNING)
-    cases = [
-        (4096, 16384, {"max_row_block": 8192}),  # 16K cols as two-pass long rows instead
-        (2048, 32768, {"max_row_block": 32768}),  # 32K cols held in registers (32 warps)
-        (2048, 32768, {"max_row_block": 32768, "row_warps": 16}),
-        (512, 131072, {"chunk": 2048, "chunk_warps": 4}),
-        (512, 131072, {"chunk": 8192, "chunk_warps": 8}),
-        (512, 131072, {"chunk": 8192, "chunk_warps": 16}),
-        (512, 131072, {"split_rows": 1 << 30}),  # rows split over programs even when there are many
-        (64, 1 << 20, {"split_rows": 1 << 30}),
-        (8192, 8192, {"max_row_block_bwd": 4096}),  # backward of 8K cols as two-pass long rows
-        (4096, 16384, {"max_row_block_bwd": 16384}),  # backward of 16K cols in registers
-    ]
-    for rows, cols, knobs in cases:
+    ks.TUNING.update(knobs)
+    rec = {"knobs": knobs, "what": what, "ms": {}}
+    try:
+        for rows, cols in cases:
+            x = torch.randn(rows, cols, device="cuda") * 3
+            if what == "fwd":
+                ms = bench(lambda: ks.softmax_forward(x))
+            elif what == "lse":
+                ms = bench(lambda: ks.logsumexp_forward(x))
+            else:
+                y = ks.softmax_forward(x)
+                g = torch.randn_like(y)
+                ms = bench(lambda: ks.softmax_backward(y, g))
+            rec["ms"][f"{rows}x{cols}"] = ms
+        rec["total_ms"] = sum(rec["ms"].values())
+    except Exception as e:  # a variant that does not compile or fit is data too
+        rec["error"] = repr(e)[:300]
+        rec["total_ms"] = float("inf")
+    finally:
         ks.TUNING.clear()
         ks.TUNING.update(saved)
-        ks.TUNING.update(knobs)
-        x = torch.randn(rows, cols, device="cuda") * 3
-        n = rows * cols
-        rec = {"rows": rows, "cols": cols, "knobs": knobs}
-        try:
-            rec["softmax_fwd_ms"] = bench(lambda: ks.softmax_forward(x))
-            rec["softmax_fwd_vs_copy"] = 2 * n * 4 / rec["softmax_fwd_ms"] / 1e6 / copy
-            rec["logsumexp_fwd_ms"] = bench(lambda: ks.logsumexp_forward(x))
-            y = ks.softmax_forward(x)
-            g = torch.randn_like(y)
-            rec["softmax_bwd_ms"] = bench(lambda: ks.softmax_backward(y, g))
-            rec["softmax_bwd_vs_copy"] = 3 * n * 4 / rec["softmax_bwd_ms"] / 1e6 / copy
-        except Exception as e:  # a variant that does not compile or fit is data too
-            rec["error"] = repr(e)[:300]
-        out.append(rec)
-        print(f"  variant {rows}x{cols} {knobs}: " + ", ".join(f"{k}={v:.4g}" for k, v in rec.items() if isinstance(v, float)), flush=True)
-    ks.TUNING.clear()
-    ks.TUNING.update(saved)
-    return out
+    print(f"  variant {what} {knobs}: {rec['ms']} total {rec['total_ms']:.4g} ms", flush=True)
+    return rec
+
+
+def tune_softmax() -> tuple[dict, list[dict]]:
+    """Pick the dispatch knobs from a small sweep (fp32, 64M-element cases), set them in ks.TUNING and
+    return them with the sweep's records: the main measurements then run with the winners."""
+    log = []
+    chosen = {}
+
+    def pick(group, variants, cases, what):
+        recs = [_time_knobs(k, cases, what) for k in variants]
+        log.extend(dict(r, group=group) for r in recs)
+        best = min(recs, key=lambda r: r["total_ms"])
+        chosen.update(best["knobs"])
+        ks.TUNING.update(best["knobs"])
+
+    mid = [(TOTAL // 16384, 16384), (TOTAL // 32768, 32768)]
+    pick("row block (fwd)", [{"max_row_block": v} for v in (8192, 16384, 32768)], mid, "fwd")
+    long = [(TOTAL // 131072, 131072), (TOTAL // (1 << 20), 1 << 20), (4, 1 << 20)]
+    pick("long-row chunk (fwd)", [{"chunk": c, "chunk_warps": w} for c, w in ((2048, 4), (4096, 8), (8192, 8), (8192, 16))],
+         long, "fwd")
+    pick("split threshold (fwd)", [{"split_rows": v} for v in (None, 64, 1 << 30)], long[:2], "fwd")
+    bmid = [(TOTAL // 8192, 8192), (TOTAL // 16384, 16384)]
+    pick("row block (bwd)", [{"max_row_block_bwd": v} for v in (4096, 8192, 16384)], bmid, "bwd")
+    return chosen, log
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -251,27 +266,34 @@ def log_bmm_case(B, N, M, P) -> dict:
     return rec
 
 
-def log_bmm_variants() -> list[dict]:
-    saved = dict(kl.TUNING)
+def tune_log_bmm() -> tuple[dict, list[dict]]:
+    """Pick forward and backward tiles (warps, 16-byte vectors per thread, unroll) at 8x512^3."""
     B, N, M, P = 8, 512, 512, 512
     a = torch.randn(B, N, M, device="cuda")
     b = torch.randn(B, M, P, device="cuda")
     g = torch.randn(B, N, P, device="cuda")
-    out_v = []
-    for warps, vecs, unroll in [(4, 8, 2), (4, 8, 4), (4, 4, 4), (8, 8, 2), (4, 16, 2), (2, 8, 4)]:
-        kl.TUNING.update(fwd_warps=warps, fwd_vecs=vecs, bwd_warps=warps, bwd_vecs=vecs, unroll=unroll)
+    out = kl.log_bmm_forward(a, b)
+    saved = dict(kl.TUNING)
+    log = []
+    best = {"fwd": (float("inf"), None), "bwd": (float("inf"), None)}
+    for warps, vecs, unroll in [(4, 8, 2), (4, 8, 4), (4, 4, 4), (8, 8, 2), (4, 16, 2), (2, 8, 4), (8, 4, 4)]:
         rec = {"warps": warps, "vecs": vecs, "unroll": unroll}
-        try:
-            out = kl.log_bmm_forward(a, b)
-            rec["fwd_ms"] = bench(lambda: kl.log_bmm_forward(a, b))
-            rec["bwd_ms"] = bench(lambda: kl.log_bmm_backward(a, b, out, g))
-        except Exception as e:
-            rec["error"] = repr(e)[:300]
+        for which in ("fwd", "bwd"):
+            kl.TUNING.update({f"{which}_warps": warps, f"{which}_vecs": vecs, f"{which}_unroll": unroll})
+            try:
+                fn = (lambda: kl.log_bmm_forward(a, b)) if which == "fwd" else (lambda: kl.log_bmm_backward(a, b, out, g))
+                rec[f"{which}_ms"] = ms = bench(fn)
+                if ms < best[which][0]:
+                    best[which] = (ms, {f"{which}_warps": warps, f"{which}_vecs": vecs, f"{which}_unroll": unroll})
+            except Exception as e:
+                rec[f"{which}_error"] = repr(e)[:300]
+            kl.TUNING.clear()
+            kl.TUNING.update(saved)
         print(f"  log_bmm variant {rec}", flush=True)
-        out_v.append(rec)
-    kl.TUNING.clear()
-    kl.TUNING.update(saved)
-    return out_v
+        log.append(rec)
+    chosen = {**best["fwd"][1], **best["bwd"][1]}
+    kl.TUNING.update(chosen)
+    return chosen, log
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -360,7 +382,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--quick", action="store_true", help="fewer sizes, no variant sweeps")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: family,variants,log_bmm,lbmm_variants")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: tune,family,log_bmm")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out, exist_ok=True)
@@ -400,9 +422,18 @@ def main() -> None:
         except Exception as e:
             print(f"plots failed: {e!r}")
 
-    # most important first: a run cut short by its time limit still leaves a JSON of what it measured
+    # tune first (short sweeps), then measure with the winners; most important measurements first, so
+    # that a run cut short by its time limit still leaves a JSON of what it measured
+    if "tune" not in skip:
+        result["tuned_softmax"], result["variants"] = tune_softmax()
+        result["tuning_softmax"] = dict(ks.TUNING)
+        save()
     if "family" not in skip:
         family([(TOTAL // c, c, torch.float32) for c in COLS])
+    if "tune" not in skip:
+        result["tuned_log_bmm"], result["log_bmm_variants"] = tune_log_bmm()
+        result["tuning_log_bmm"] = dict(kl.TUNING)
+        save()
     if "log_bmm" not in skip:
         for dims in LOG_BMM[1:] if args.quick else LOG_BMM:
             try:
@@ -413,12 +444,6 @@ def main() -> None:
             print(f"  log_bmm {dims}: {short} ({time.time() - t0:.0f}s)", flush=True)
             save()
     plot()
-    if not args.quick and "variants" not in skip:
-        result["variants"] = sweep_variants(copy)
-        save()
-    if not args.quick and "lbmm_variants" not in skip:
-        result["log_bmm_variants"] = log_bmm_variants()
-        save()
     if not args.quick and "family" not in skip:
         family(EXTRA)
     plot()

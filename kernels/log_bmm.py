@@ -31,9 +31,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 TUNING: dict[str, int] = {
     "fwd_warps": 4,  # a tile is 32 * num_warps rows (one per thread) by 4 * VECS columns
     "fwd_vecs": 8,  # 16-byte vectors of columns per thread
+    "fwd_unroll": 2,
     "bwd_warps": 4,
     "bwd_vecs": 8,
-    "unroll": 4,
+    "bwd_unroll": 2,
 }
 
 _VEC = 4  # float32 values per 16-byte vector
@@ -196,7 +197,7 @@ def log_bmm_forward(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | Non
     grid = (triton.cdiv(N, bx), triton.cdiv(P, by), B)
     _log_bmm_fwd_kernel[grid](
         at, bp, out, N, M, P, at.stride(0), at.stride(1), bp.stride(0), bp.stride(1), out.stride(0), out.stride(1),
-        YR=vecs, NUM_WARPS=warps, UNROLL=int(TUNING["unroll"]), num_warps=warps,
+        YR=vecs, NUM_WARPS=warps, UNROLL=int(TUNING["fwd_unroll"]), num_warps=warps,
     )
     return out
 
@@ -218,7 +219,7 @@ def _grad(x: torch.Tensor, v: torch.Tensor, o: torch.Tensor, g: torch.Tensor) ->
     g = g.to(torch.float32).contiguous()
     _log_bmm_grad_kernel[(triton.cdiv(X, bx), triton.cdiv(Y, by), B)](
         x, v, o, g, d, X, Y, S, x.stride(0), x.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        d.stride(0), d.stride(1), YR=vecs, NUM_WARPS=warps, UNROLL=int(TUNING["unroll"]), num_warps=warps,
+        d.stride(0), d.stride(1), YR=vecs, NUM_WARPS=warps, UNROLL=int(TUNING["bwd_unroll"]), num_warps=warps,
     )
     return d
 
