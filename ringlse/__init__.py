@@ -9,6 +9,7 @@ from ringlse.api import attention, block_attention
 from ringlse.backends import available_backends, get_block_op
 from ringlse.chunked import chunked_attention
 from ringlse.layouts import shard, unshard
+from ringlse.lse_toolkit import log_bmm, log_softmax, logsumexp, softmax
 from ringlse.merge import merge_attn_states, update_out_and_lse
 from ringlse.reference import reference_attention
 from ringlse.ring import ring_attention
@@ -19,8 +20,12 @@ __all__ = [
     "block_attention",
     "chunked_attention",
     "get_block_op",
+    "log_bmm",
+    "log_softmax",
+    "logsumexp",
     "merge_attn_states",
     "reference_attention",
+    "softmax",
     "ring_attention",
     "shard",
     "unshard",
