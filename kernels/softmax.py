@@ -557,8 +557,8 @@ def softmax_backward(
         `dx`, shape and dtype of `y`.
     """
     _check(y, "softmax_backward")
-    if y.dim() == 0:
-        return torch.zeros_like(y) if not log else g.to(y.dtype) - g.to(y.dtype)
+    if y.dim() == 0:  # a one-element row: softmax is the constant 1 (log_softmax 0), its gradient 0
+        return torch.zeros_like(y)
     dim = dim % y.dim()
     g = g.to(y.dtype)
     ym, (O, I, sy_o, sy_i, sy_n) = _as_rows(y, dim)
@@ -610,8 +610,7 @@ def logsumexp_backward(
     """
     _check(x, "logsumexp_backward")
     if x.dim() == 0:
-        x = x.reshape(1)
-        lse, g = lse.reshape(()), g.reshape(())
+        return logsumexp_backward(x.reshape(1), lse.reshape(()), g.reshape(()), 0).reshape(())
     dim = dim % x.dim()
     xm, (O, I, sx_o, sx_i, sx_n) = _as_rows(x, dim)
     dm, (_, _, sd_o, sd_i, sd_n), target = _output_rows(out, xm, dim, x.shape, x.dtype, "logsumexp_backward")
