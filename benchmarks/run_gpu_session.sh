@@ -1,26 +1,34 @@
 #!/usr/bin/env bash
-# One batched session on the GPU machine (multi-GPU host): install, GPU tests, torchrun verification,
-# merge and ring benchmarks. Usage: bash benchmarks/run_gpu_session.sh OUT_DIR [tests|bench|all]
-# Logs and result files land in OUT_DIR.
+# One batched session on a multi-GPU host: install, GPU tests, torchrun verification, ring + merge + LSE
+# toolkit benchmarks, each step under its own time limit so one slow step cannot starve the rest.
+# Usage: bash benchmarks/run_gpu_session.sh OUT_DIR [tests|final]   (all logs go to OUT_DIR/session.log)
 set -uo pipefail
-out=${1:?output dir}; what=${2:-all}
+out=${1:?output dir}; what=${2:-final}
+log="$out/session.log"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q -e . --no-build-isolation --no-deps >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
-python3 -c "import ringlse.kernels.attention, ringlse.kernels.merge; print('ringlse.kernels ok')" || exit 1
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+# `python3 -m pip`: the machine's bare `pip` belongs to another interpreter
+python3 -m pip install -q -e . --no-build-isolation --no-deps >/tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
+python3 -c "import ringlse.kernels.attention, ringlse.kernels.merge, ringlse.kernels.softmax; print('ringlse.kernels ok')" || exit 1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$log"
 n=$(python3 -c "import torch; print(torch.cuda.device_count())")
 rc=0
-if [[ $what == tests || $what == all ]]; then
-    python3 -m pytest -q -m gpu tests/test_ring_gpu.py tests/test_backends.py tests/test_merge_kernel.py \
-        -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25 || rc=1
-    for causal in yes no; do
-        torchrun --nproc_per_node="$n" launch/verify.py --seqlen 16384 --heads 16 --kv-heads 4 --head-dim 128 \
-            --causal "$causal" 2>&1 | tee -a "$out/verify.log" | tail -9 || rc=1
-    done
-    python3 benchmarks/merge.py --out "$out" 2>&1 | tail -15 || rc=1
+step() {  # step SECONDS NAME COMMAND...: run with a limit, log everything, show the tail
+    local limit=$1 name=$2; shift 2
+    echo "=== $name" | tee -a "$log"
+    timeout "$limit" "$@" >>"$log" 2>&1 || { echo "step $name failed/timed out (rc=$?)" | tee -a "$log"; rc=1; }
+    grep -v "ring bench:" "$log" | tail -n 12
+}
+if [[ $what == tests ]]; then
+    step 300 gpu-tests python3 -m pytest -q -m gpu tests/test_ring_gpu.py tests/test_backends.py tests/test_merge_kernel.py -p no:cacheprovider
 fi
-if [[ $what == bench || $what == all ]]; then
-    torchrun --nproc_per_node="$n" benchmarks/ring.py --out "$out" --budget-s 1.0 2>&1 | tee "$out/ring_bench.log" \
-        | grep -v "ring bench:" | tail -40 || rc=1
+if [[ $what == final ]]; then
+    step 250 ring-bench torchrun --nproc_per_node="$n" benchmarks/ring.py --out "$out" --budget-s 0.3
+    for causal in yes no; do
+        step 45 "verify-causal-$causal" torchrun --nproc_per_node="$n" launch/verify.py --seqlen 8192 --heads 8 \
+            --kv-heads 2 --head-dim 128 --causal "$causal"
+    done
+    step 70 lse-gpu-tests python3 -m pytest tests/test_lse_toolkit.py -q -m gpu -p no:cacheprovider
+    step 110 lse-bench python3 benchmarks/lse_toolkit.py --out "$out"
+    step 40 merge-bench python3 benchmarks/merge.py --out "$out"
 fi
 exit $rc
