@@ -65,7 +65,10 @@ def timed_ms(fn, budget_s: float) -> float:
     fn()
     torch.cuda.synchronize()
     est = time.perf_counter() - t0
-    reps = max(3, min(20, int(budget_s / max(est, 1e-4))))
+    # every rank must run the same number of barriers: agree on the repetition count
+    reps_t = torch.tensor([max(3, min(20, int(budget_s / max(est, 1e-4))))], device="cuda")
+    dist.all_reduce(reps_t, op=dist.ReduceOp.MAX)
+    reps = int(reps_t.item())
     times = []
     for _ in range(reps):
         dist.barrier()  # start together: the ring waits for its slowest rank anyway
@@ -216,6 +219,34 @@ def main() -> int:
     todo = [("ringlse", be, shp) for shp in shapes for be in backends]
     if not args.no_peer:
         todo += [("sdpa-single", None, shp) for shp in shapes] + [("cp", None, shp) for shp in shapes]
+    env = environment(world) if rank == 0 else {}
+    out_dir = Path(args.out)
+
+    def save() -> Path:
+        """Write what was measured so far (rank 0): a run cut short still leaves its numbers."""
+        peer = {(r["seqlen"], r["kv_heads"], r["causal"], r["mode"]): r for r in records if r["impl"] == "torch-cp"}
+        for r in records:  # wall-clock ratio to the peer at the same shape (< 1 is faster)
+            p = peer.get((r["seqlen"], r["kv_heads"], r["causal"], r["mode"]))
+            if r["impl"].startswith("ringlse") and p and p.get("ms") and r.get("ms"):
+                r["time_ratio_to_torch_cp"] = r["ms"] / p["ms"]
+        gpu_tag = env["gpu"].replace("NVIDIA ", "").replace(" ", "-")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        result = {
+            "benchmark": "ring attention vs PyTorch context parallel",
+            "environment": env,
+            "definitions": {
+                "efficiency": "T(full sequence on 1 GPU, same block op) / (W * T(ring on W GPUs))",
+                "tflops_per_gpu": "4*B*H*S^2*D (halved for causal, x3.5 for fwd+bwd) / (W * time)",
+                "time_ratio_to_torch_cp": "ringlse time / PyTorch context parallel time, same shape (< 1: faster)",
+                "timing": "median of CUDA-event timings after warm-up, max over ranks, barrier before each run",
+            },
+            "complete": len(records) >= len(todo) - len(shapes),
+            "records": records,
+        }
+        path = out_dir / f"ring-{world}x{gpu_tag}.json"
+        path.write_text(json.dumps(result, indent=1))
+        return path
+
     bar = tqdm(todo, desc="ring bench", disable=rank != 0 or tqdm is None, file=sys.stdout)
     single_sdpa: dict = {}
     mesh = None
@@ -256,33 +287,13 @@ def main() -> int:
             eff = f"{rec['efficiency']:.2f}" if rec.get("efficiency") else "-"
             ms = f"{rec['ms']:.2f} ms" if rec.get("ms") else rec.get("error", "failed")
             (bar.write if tqdm is not None else print)(f"{rec['impl']:<15} S={s:<7} hkv={hkv:<3} causal={causal!s:<5} {mode:<8} {ms}  eff {eff}")
+            save()
         torch.cuda.empty_cache()
 
     if rank == 0:
-        # ratio of every ringlse entry to the peer at the same shape (wall clock, < 1 is faster)
-        peer = {(r["seqlen"], r["kv_heads"], r["causal"], r["mode"]): r for r in records if r["impl"] == "torch-cp"}
-        for r in records:
-            p = peer.get((r["seqlen"], r["kv_heads"], r["causal"], r["mode"]))
-            if r["impl"].startswith("ringlse") and p and p.get("ms") and r.get("ms"):
-                r["time_ratio_to_torch_cp"] = r["ms"] / p["ms"]
-        env = environment(world)
-        gpu_tag = env["gpu"].replace("NVIDIA ", "").replace(" ", "-")
-        out_dir = Path(args.out)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        result = {
-            "benchmark": "ring attention vs PyTorch context parallel",
-            "environment": env,
-            "definitions": {
-                "efficiency": "T(full sequence on 1 GPU, same block op) / (W * T(ring on W GPUs))",
-                "tflops_per_gpu": "4*B*H*S^2*D (halved for causal, x3.5 for fwd+bwd) / (W * time)",
-                "time_ratio_to_torch_cp": "ringlse time / PyTorch context parallel time, same shape (< 1: faster)",
-                "timing": "median of CUDA-event timings after warm-up, max over ranks, barrier before each run",
-            },
-            "records": records,
-        }
-        path = out_dir / f"ring-{world}x{gpu_tag}.json"
-        path.write_text(json.dumps(result, indent=1))
+        path = save()
         try:
+            gpu_tag = env["gpu"].replace("NVIDIA ", "").replace(" ", "-")
             plot(records, out_dir / f"ring-{world}x{gpu_tag}.png", world, env["gpu"])
         except Exception as e:
             print(f"plot failed: {e}")

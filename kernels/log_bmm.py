@@ -28,13 +28,14 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
+# defaults = the winners of the tuning sweep in benchmarks/results/lse_toolkit-nvidia-h200.json
 TUNING: dict[str, int] = {
     "fwd_warps": 4,  # a tile is 32 * num_warps rows (one per thread) by 4 * VECS columns
-    "fwd_vecs": 8,  # 16-byte vectors of columns per thread
-    "fwd_unroll": 2,
-    "bwd_warps": 4,
-    "bwd_vecs": 8,
-    "bwd_unroll": 2,
+    "fwd_vecs": 4,  # 16-byte vectors of columns per thread
+    "fwd_unroll": 4,
+    "bwd_warps": 8,
+    "bwd_vecs": 4,
+    "bwd_unroll": 4,
 }
 
 _VEC = 4  # float32 values per 16-byte vector

@@ -35,9 +35,10 @@ _LOG_SOFTMAX: int = 1
 _LOGSUMEXP: int = 2
 
 # Dispatch knobs, read on every call (the benchmark and the tests change them).
+# defaults = the winners of the tuning sweep in benchmarks/results/lse_toolkit-nvidia-h200.json
 TUNING: dict[str, int | None] = {
-    "max_row_block": 16384,  # forward: rows up to this many columns stay in registers
-    "max_row_block_bwd": 8192,  # backward holds two rows (y and g), so half of that
+    "max_row_block": 32768,  # forward: rows up to this many columns stay in registers
+    "max_row_block_bwd": 16384,  # backward holds two rows (y and g), so half of that
     "tile": 4096,  # elements per program for short rows (several rows per program)
     "chunk": 4096,  # columns per step of the long-row loops
     "chunk_warps": 8,
