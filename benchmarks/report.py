@@ -45,6 +45,35 @@ def ring(d: dict) -> list[str]:
     return lines
 
 
+def merge(d: dict) -> list[str]:
+    lines = [f"**Fused merge** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}); device copy "
+             f"{d['copy']['gbs']:.0f} GB/s measured in the same run:", "",
+             "| what | shape | block dtype | fused ms | GB/s | × copy | × eager |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in d["rows"]:
+        lines.append(f"| {r['what']} | {tuple(r['shape'])} | {r.get('block_dtype') or '–'} | {r['fused_ms']:.3f} | "
+                     f"{r['fused_gbs']:.0f} | {_fmt(r.get('fused_vs_copy'))} | {_fmt(r.get('speedup_vs_eager'))} |")
+    return lines
+
+
+def lse_toolkit(d: dict) -> list[str]:
+    lines = [f"**LSE toolkit** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}); device copy "
+             f"{d['copy_GBps']:.0f} GB/s; speedups are vs `torch.softmax` / `torch.log_softmax` / "
+             "`torch.logsumexp` in the same run:", "",
+             "| op | rows × cols | dtype | fwd GB/s | fwd × copy | fwd × torch | bwd × torch |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in d["softmax_family"]:
+        o = r["ours"]
+        lines.append(f"| {r['op']} | {r['rows']} × {r['cols']} | {r['dtype']} | {o['fwd_GBps']:.0f} | "
+                     f"{o['fwd_vs_copy']:.2f} | {r['fwd_speedup']:.2f} | {r['bwd_speedup']:.2f} |")
+    lines += ["", "| log_bmm B×N×M×P | ours fwd ms | naive fwd ms | fwd × naive | ours bwd ms | naive bwd ms | bwd × naive "
+              "| our peak / (in+out) | naive peak GB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in d["log_bmm"]:
+        lines.append(f"| {r['B']}×{r['N']}×{r['M']}×{r['P']} | {r['ours_fwd_ms']:.2f} | {r['naive_fwd_ms']:.2f} | "
+                     f"{r['fwd_speedup']:.1f} | {r['ours_bwd_ms']:.2f} | {r['naive_bwd_ms']:.2f} | {r['bwd_speedup']:.1f} | "
+                     f"{r['ours_fwd_peak_vs_io']:.2f} | {r['naive_fwd_peak_GB']:.1f} |")
+    return lines
+
+
 def generic(name: str, d: dict) -> list[str]:
     """Other result files report their own summary rows (merge, LSE toolkit)."""
     env = {k: d[k] for k in ("gpu", "torch", "triton", "command") if k in d}
@@ -71,6 +100,10 @@ def main() -> None:
             lines = block_attention(d)
         elif path.name.startswith("ring"):
             lines = ring(d)
+        elif path.name.startswith("merge"):
+            lines = merge(d)
+        elif path.name.startswith("lse_toolkit"):
+            lines = lse_toolkit(d)
         else:
             lines = generic(path.stem, d)
         print(f"<!-- from benchmarks/results/{path.name} -->")
