@@ -36,14 +36,9 @@ class _BlockAttention(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         if kind is not BlockKind.EMPTY:
-            if g_out is None:
-                g_out = torch.zeros_like(out)
-            delta = op.compute_delta(g_out, out)
-            if g_lse is not None:
-                # d lse_i / d s_ij = p_ij, so an lse gradient enters as a shift of delta
-                delta = delta - g_lse.to(delta.dtype)
+            dout, delta = op.backward_inputs(g_out, g_lse, out)
             op.backward(
-                g_out.contiguous(), q, k, v, out, lse, delta, softmax_scale=scale,
+                dout, q, k, v, out, lse, delta, softmax_scale=scale,
                 causal=kind is BlockKind.PARTIAL, q_start=q_start, k_start=k_start,
                 dq_acc=dq, dk_acc=dk, dv_acc=dv,
             )

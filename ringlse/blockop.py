@@ -40,6 +40,20 @@ class BlockOp:
             return self.delta(dout, out)
         return torch_delta(dout, out)
 
+    def backward_inputs(
+        self, g_out: torch.Tensor | None, g_lse: torch.Tensor | None, out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(dout, delta)` for a backward pass that received gradients of out and/or lse.
+
+        `d lse_i / d s_ij = p_ij`, so an lse gradient enters as a shift of delta: the kernels then
+        compute `ds = p * (dp - delta + g_lse)` without knowing about it.
+        """
+        dout = torch.zeros_like(out) if g_out is None else g_out.contiguous()
+        delta = self.compute_delta(dout, out)
+        if g_lse is not None:
+            delta = delta - g_lse.to(delta.dtype)
+        return dout, delta
+
 
 def torch_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`rowsum(dout * out)`: `[b, s, h, d]` x2 -> `[b, h, s]`, float32 (float64 for float64)."""

@@ -32,10 +32,7 @@ class _ChunkedAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         op, scale, chunks = ctx.args
         acc = lse_dtype(q.dtype)
-        g_out = torch.zeros_like(out) if g_out is None else g_out.contiguous()
-        delta = op.compute_delta(g_out, out)
-        if g_lse is not None:
-            delta = delta - g_lse.to(delta.dtype)
+        g_out, delta = op.backward_inputs(g_out, g_lse, out)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)

@@ -92,10 +92,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, g_out, g_lse):
         q, k, v, out, lse = ctx.saved_tensors
         op, scale, comm, plans = ctx.args
-        g_out = torch.zeros_like(out) if g_out is None else g_out.contiguous()
-        delta = op.compute_delta(g_out, out)
-        if g_lse is not None:
-            delta = delta - g_lse.to(delta.dtype)  # d lse / d s = p: an lse gradient shifts delta
+        g_out, delta = op.backward_inputs(g_out, g_lse, out)
         dq, dk, dv = _ring_backward(g_out, q, k, v, out, lse, delta, op, scale, comm, plans)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
