@@ -102,3 +102,30 @@ def shard_roundtrip(rank, world) -> bool:
             assert local.shape[dim] == y.shape[dim] // world
             torch.testing.assert_close(ringlse.unshard(local, layout, dim=dim), y, rtol=0, atol=0)
     return True
+
+
+def subgroup_rings(rank, world) -> bool:
+    """Two independent rings over the sub-groups {0, 2} and {1, 3}: point-to-point peers are the
+    group's neighbours mapped to global ranks, and each ring is exact (float64)."""
+    dist = torch.distributed
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+    group = groups[rank % 2]
+    q, k, v, dout, dlse = _full_inputs(1, 24, 4, 2, 16, torch.float64, seed=40 + rank % 2)
+    for causal, layout in ((True, "zigzag"), (False, "stripe")):
+        ours = ring_with_grads(q, k, v, dout, dlse, causal=causal, layout=layout, backend="torch", group=group)
+        ref = attention_with_grads(ringlse.reference_attention, q, k, v, dout, dlse, upcast=True,
+                                   causal=causal, q_start=0, k_start=0)
+        for name, a, b in zip(NAMES, ours, ref):
+            torch.testing.assert_close(a, b, msg=lambda m: f"rank {rank} {name} {layout}: {m}")
+    return True
+
+
+def nan_inputs_finish(rank, world) -> bool:
+    """NaN/inf inputs are the caller's problem, but every rank must still get through the ring."""
+    q, k, v = (torch.randn(1, 8, 2, 8) for _ in range(3))
+    if rank == 0:
+        q[0, 0, 0, 0] = float("nan")
+        k[0, 1, 1, 1] = float("inf")
+    out = ringlse.ring_attention(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), causal=True)
+    out.sum().backward()
+    return True

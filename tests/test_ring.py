@@ -100,3 +100,11 @@ def test_ring_with_triton_kernels_under_interpreter(tmp_path):
     for case, result in zip(cases, per_rank[0]):
         for name, ok, text in result["verdicts"]:
             assert ok, f"{case['dtype']} {case['layout']}: {text}"
+
+
+def test_ring_over_subgroups_maps_ranks(tmp_path):
+    assert all(run_ranks(rw.subgroup_rings, 4, tmp_path, timeout=240))
+
+
+def test_nan_inputs_do_not_hang(tmp_path):
+    assert all(run_ranks(rw.nan_inputs_finish, 2, tmp_path, timeout=120))
