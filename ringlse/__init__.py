@@ -25,9 +25,9 @@ __all__ = [
     "logsumexp",
     "merge_attn_states",
     "reference_attention",
-    "softmax",
     "ring_attention",
     "shard",
+    "softmax",
     "unshard",
     "update_out_and_lse",
 ]
