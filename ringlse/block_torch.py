@@ -37,7 +37,6 @@ def torch_block_forward(
     lse_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, sq, h, d = q.shape
-    hkv = k.shape[2]
     s = _scores(q, k, softmax_scale, causal, q_start, k_start)
     p, lse = masked_softmax_and_lse(s)
     out = torch.einsum("bkgij,bjkd->bikgd", p, v.to(s.dtype)).reshape(b, sq, h, d)
