@@ -419,6 +419,7 @@ def attention_backward(
     dq_acc: torch.Tensor,
     dk_acc: torch.Tensor,
     dv_acc: torch.Tensor,
+    lse_grad: torch.Tensor | None = None,
 ) -> None:
     """Add one block's attention gradients into float32 accumulators (the block-op contract).
 
@@ -431,6 +432,7 @@ def attention_backward(
         softmax_scale, causal, q_start, k_start: as in `attention_forward`.
         dq_acc: float32 `[b, sq, h, d]`; dk_acc, dv_acc: float32 `[b, sk, hkv, d]` (views allowed);
             this block's gradients are added in place.
+        lse_grad: unused: the block-op contract has it folded into `delta` already.
 
     Raises:
         ValueError: float64 or other unsupported dtypes, mismatched shapes, bad accumulators.

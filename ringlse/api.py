@@ -14,6 +14,7 @@ from ringlse.validation import check_qkv
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, op: BlockOp, scale: float, causal: bool, q_start: int, k_start: int):
+        ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero gradient
         b, sq, h, d = q.shape
         kind = block_kind(sq, k.shape[1], q_start, k_start, causal)
         if kind is BlockKind.EMPTY:
@@ -36,11 +37,11 @@ class _BlockAttention(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         if kind is not BlockKind.EMPTY:
-            dout, delta = op.backward_inputs(g_out, g_lse, out)
+            dout, delta, lse_grad = op.backward_inputs(g_out, g_lse, out)
             op.backward(
                 dout, q, k, v, out, lse, delta, softmax_scale=scale,
                 causal=kind is BlockKind.PARTIAL, q_start=q_start, k_start=k_start,
-                dq_acc=dq, dk_acc=dk, dv_acc=dv,
+                dq_acc=dq, dk_acc=dk, dv_acc=dv, lse_grad=lse_grad,
             )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 

@@ -122,10 +122,11 @@ def flash_block_forward(q, k, v, *, softmax_scale, causal, q_start, k_start, out
     )
 
 
-def flash_block_backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_start, dq_acc, dk_acc, dv_acc):
+def flash_block_backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_start, dq_acc, dk_acc, dv_acc,
+                         lse_grad=None):
     fused_block_backward(
         FLASH_KERNELS, dout, q, k, v, out, lse, delta, softmax_scale=softmax_scale, causal=causal,
-        q_start=q_start, k_start=k_start, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc,
+        q_start=q_start, k_start=k_start, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, lse_grad=lse_grad,
     )
 
 

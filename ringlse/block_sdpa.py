@@ -22,12 +22,11 @@ What the ops cannot do, this module does around them:
 - GQA: K/V are repeated to `nheads` (a copy of K/V per call; the ops' GQA support varies between
   kernels and torch versions) and dk/dv are summed back over each group.
 - Backward with the global `out`/`lse` (DESIGN §6): the backward ops take them as they are, but they
-  compute `delta = rowsum(dout * out)` themselves instead of taking ours. Callers that pass exactly
-  that delta (the ring does) pay nothing more. A different delta (`block_attention` shifts it by the
-  lse gradient `g`) adds `dS_ij = P_ij * e_i` with `e = rowsum(dout * out) - delta`, which we get from
-  the same kernels: `dq_i += scale * e_i * sum_j P_ij k_j` (attention with V = K) and
-  `dk_j += scale * sum_i P_ij e_i q_i` (the dv of a backward pass whose dout is `e * q`). Checking
-  whether `e` is zero costs one host sync per backward call.
+  compute `delta = rowsum(dout * out)` themselves instead of taking ours. Without an lse gradient
+  (the block-op contract passes `lse_grad=None`) that is the same delta and costs nothing more. An
+  lse gradient `e` (delta shifted by it) adds `dS_ij = P_ij * e_i`, which we get from the same
+  kernels: `dq_i += scale * e_i * sum_j P_ij k_j` (attention with V = K) and
+  `dk_j += scale * sum_i P_ij e_i q_i` (the dv of a backward pass whose dout is `e * q`).
 - lse: normalised to `[b, h, sq]` float32 (cuDNN returns `[b, h, sq, 1]` in some torch versions,
   efficient attention pads `sq` to a multiple of 32); an empty row is `-inf`, never `+inf`.
 """
@@ -335,12 +334,12 @@ def _expand_kv(ks: _KernelSet, x: torch.Tensor, nheads: int) -> torch.Tensor:
 
 
 def _sum_groups(x: torch.Tensor, hkv: int) -> torch.Tensor:
-    """`[b, s, h, d]` gradient of repeated K/V -> `[b, s, hkv, d]` float32/float64 (sum over each group)."""
-    acc = lse_dtype(x.dtype)
+    """`[b, s, h, d]` gradient of repeated K/V -> `[b, s, hkv, d]` (sum over each group in float32/float64;
+    without groups `x` itself: the in-place add into the accumulator converts as it reads)."""
     b, s, h, d = x.shape
     if h == hkv:
-        return x.to(acc)
-    return x.to(acc).reshape(b, s, hkv, h // hkv, d).sum(3)
+        return x
+    return x.reshape(b, s, hkv, h // hkv, d).sum(3, dtype=lse_dtype(x.dtype))
 
 
 def fused_block_forward(
@@ -379,22 +378,6 @@ def fused_block_forward(
         return out_acc, lse_acc
 
 
-def _lse_grad_term(dout: torch.Tensor, out: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
-    """`e = rowsum(dout * out) - delta` `[b, h, sq]`, or None where it is only rounding noise.
-
-    Rounding differences between two ways of summing `rowsum(dout * out)` stay below
-    `headdim * eps32 * rowsum|dout * out|`, about 1.5e-5 of it for head dim 128; we call `e` real above
-    1e-4 of it (and anywhere that magnitude is 0).
-    """
-    acc = lse_dtype(out.dtype)
-    prod = dout.to(acc) * out.to(acc)
-    e = prod.sum(-1).transpose(1, 2) - delta.to(acc)
-    size = prod.abs().sum(-1).transpose(1, 2)
-    if bool((e.abs() > 1e-4 * size).any()):
-        return e
-    return None
-
-
 def fused_block_backward(
     ks: _KernelSet,
     dout: torch.Tensor,
@@ -412,8 +395,10 @@ def fused_block_backward(
     dq_acc: torch.Tensor,
     dk_acc: torch.Tensor,
     dv_acc: torch.Tensor,
+    lse_grad: torch.Tensor | None = None,
 ) -> None:
-    """The block-op backward (see `ringlse.blockop`) over a family of fused kernels."""
+    """The block-op backward (see `ringlse.blockop`) over a family of fused kernels; `delta` is not
+    read: the kernels compute `rowsum(dout * out)` themselves and `lse_grad` adds the rest."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     acc = lse_dtype(q.dtype)
@@ -424,7 +409,7 @@ def fused_block_backward(
         # same dtype and (contiguous) strides for out and dout: cuDNN < 9.5.1 requires equal strides
         dout = dout.to(q.dtype).contiguous()
         out = out.to(q.dtype).contiguous()
-        e = _lse_grad_term(dout, out, delta)
+        e = None if lse_grad is None else lse_grad.to(acc)
         lse = lse.to(acc)
         # kernels compute P = exp(s - lse): +inf turns rows that saw nothing anywhere into P = 0
         lse_k = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
@@ -456,10 +441,11 @@ def sdpa_block_forward(q, k, v, *, softmax_scale, causal, q_start, k_start, out_
     )
 
 
-def sdpa_block_backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_start, dq_acc, dk_acc, dv_acc):
+def sdpa_block_backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_start, dq_acc, dk_acc, dv_acc,
+                         lse_grad=None):
     fused_block_backward(
         SDPA_KERNELS, dout, q, k, v, out, lse, delta, softmax_scale=softmax_scale, causal=causal,
-        q_start=q_start, k_start=k_start, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc,
+        q_start=q_start, k_start=k_start, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, lse_grad=lse_grad,
     )
 
 

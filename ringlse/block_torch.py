@@ -66,6 +66,7 @@ def torch_block_backward(
     dq_acc: torch.Tensor,
     dk_acc: torch.Tensor,
     dv_acc: torch.Tensor,
+    lse_grad: torch.Tensor | None = None,  # already in delta (block-op contract)
 ) -> None:
     b, sq, h, d = q.shape
     hkv = k.shape[2]

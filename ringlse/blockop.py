@@ -10,11 +10,15 @@ forward(q, k, v, *, softmax_scale, causal, q_start, k_start, out_acc=None, lse_a
     and `lse_acc` `[b, h, sq]` (float32/float64, possibly strided views into larger buffers): merges
     the block into them in place (DESIGN §3, `-inf`-safe) and returns them.
 
-backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_start, dq_acc, dk_acc, dv_acc)
-    `out`, `lse` are the *global* results for these query rows and `delta = rowsum(dout * out)`
-    `[b, h, sq]` (float32/float64); adds this block's gradients into the float32/float64
-    accumulators `dq_acc` `[b, sq, h, d]`, `dk_acc`, `dv_acc` `[b, sk, hkv, d]` (views allowed).
-    Returns nothing.
+backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_start, dq_acc, dk_acc, dv_acc,
+         lse_grad=None)
+    `out`, `lse` are the *global* results for these query rows and `delta = rowsum(dout * out) - lse_grad`
+    `[b, h, sq]` (float32/float64), where `lse_grad` `[b, h, sq]` is the gradient of the global lse,
+    or None when there is none (then delta is exactly `rowsum(dout * out)`). Kernels that take delta
+    ignore `lse_grad`; kernels that compute `rowsum(dout * out)` themselves (cuDNN, flash-attn) add its
+    term from it, so nobody has to compare two deltas on the host. Adds this block's gradients into
+    the float32/float64 accumulators `dq_acc` `[b, sq, h, d]`, `dk_acc`, `dv_acc` `[b, sk, hkv, d]`
+    (views allowed). Returns nothing.
 
 Callers skip blocks that `positions.block_kind` calls EMPTY and pass `causal=False` for FULL ones.
 """
@@ -42,17 +46,20 @@ class BlockOp:
 
     def backward_inputs(
         self, g_out: torch.Tensor | None, g_lse: torch.Tensor | None, out: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(dout, delta)` for a backward pass that received gradients of out and/or lse.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`(dout, delta, lse_grad)` for a backward pass that received gradients of out and/or lse
+        (None where autograd has none: callers `set_materialize_grads(False)`).
 
         `d lse_i / d s_ij = p_ij`, so an lse gradient enters as a shift of delta: the kernels then
         compute `ds = p * (dp - delta + g_lse)` without knowing about it.
         """
         dout = torch.zeros_like(out) if g_out is None else g_out.contiguous()
         delta = self.compute_delta(dout, out)
+        lse_grad = None
         if g_lse is not None:
-            delta = delta - g_lse.to(delta.dtype)
-        return dout, delta
+            lse_grad = g_lse.to(delta.dtype)
+            delta = delta - lse_grad
+        return dout, delta, lse_grad
 
 
 def torch_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from ringlse.validation import check_qkv
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, op: BlockOp, scale: float, chunks):
+        ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero gradient
         b, sq, h, d = q.shape
         acc = lse_dtype(q.dtype)
         out = torch.zeros((b, sq, h, d), dtype=acc, device=q.device)
@@ -32,13 +33,14 @@ class _ChunkedAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         op, scale, chunks = ctx.args
         acc = lse_dtype(q.dtype)
-        g_out, delta = op.backward_inputs(g_out, g_lse, out)
+        g_out, delta, lse_grad = op.backward_inputs(g_out, g_lse, out)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         for k0, k1, causal, q_start in chunks:
             op.backward(g_out, q, k[:, k0:k1], v[:, k0:k1], out, lse, delta, softmax_scale=scale, causal=causal,
-                        q_start=q_start, k_start=k0, dq_acc=dq, dk_acc=dk[:, k0:k1], dv_acc=dv[:, k0:k1])
+                        q_start=q_start, k_start=k0, dq_acc=dq, dk_acc=dk[:, k0:k1], dv_acc=dv[:, k0:k1],
+                        lse_grad=lse_grad)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

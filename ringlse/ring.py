@@ -3,8 +3,9 @@
 Forward, W steps: post the exchange of the current K/V (one packed buffer) with the ring neighbours,
 attend the local queries to the held K/V (merging into float32 accumulators inside the block op),
 wait, swap buffers. Backward reuses the global `out`/`lse`, computes `delta` once, accumulates `dq`
-locally and lets the `dk`/`dv` accumulators travel with their K/V until they arrive home after W
-steps. The block op is a parameter, so the same loop runs on gloo/CPU and NCCL/GPU.
+locally and lets partial `dk`/`dv` sums travel one hop behind their K/V until they arrive home,
+where the rank's own block, split in two, hides the first and the last transfer. The block op is
+a parameter, so the same loop runs on gloo/CPU and NCCL/GPU.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from ringlse.backends import get_block_op
 from ringlse.blockop import BlockOp
 from ringlse.layouts import LAYOUTS, BlockCall, check_layout, default_layout, plan_step
+from ringlse.positions import BlockKind, block_kind
 from ringlse.reference import lse_dtype
 from ringlse.ring_comm import RingComm
 from ringlse.validation import SUPPORTED_DTYPES, check_qkv
@@ -47,41 +49,83 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans) -> 
     return out, lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, delta, op: BlockOp, scale: float, comm: RingComm, plans):
+def _split_rows(plan: list[BlockCall], m: int) -> tuple[list[BlockCall], list[BlockCall]]:
+    """The calls of `plan` restricted to local query rows `[0, m)` and `[m, n)`, keys trimmed to what
+    those rows can see (a causal piece may become full or vanish)."""
+    halves: tuple[list[BlockCall], list[BlockCall]] = ([], [])
+    for c in plan:
+        for half, (a, b) in zip(halves, ((c.q0, min(c.q1, m)), (max(c.q0, m), c.q1))):
+            if a >= b:
+                continue
+            q_start = c.q_start + (a - c.q0)
+            k1 = c.k1
+            if c.causal:  # row i sees local key j iff k_start + j <= q_start + i
+                k1 = min(k1, c.k0 + max(0, q_start + (b - a) - c.k_start))
+            kind = block_kind(b - a, k1 - c.k0, q_start, c.k_start, c.causal)
+            if kind is BlockKind.EMPTY:
+                continue
+            partial = kind is BlockKind.PARTIAL
+            half.append(BlockCall(a, b, c.k0, k1, partial, q_start if partial else 0, c.k_start if partial else 0))
+    return halves
+
+
+def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: float, comm: RingComm, plans):
+    """dq, dk, dv of this rank's shards.
+
+    The partial dk/dv of K/V block j travel j+1 -> j+2 -> ... -> j-1 -> j, each holder adding its
+    part, one hop behind the K/V. Block j's own part is computed at home, in two halves of its query
+    rows: the first while the first K/V exchange is in flight, the second while the partial sums make
+    their last hop home, so neither transfer waits on an idle GPU.
+    """
     acc = lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = torch.stack([k, v])
-    kv_next = torch.empty_like(kv)
-    # Two buffers for the dk/dv this step adds (one may still be in flight to rank+1) and one that
-    # receives the running dk/dv of the K/V we will hold next from rank-1.
-    dkv_bufs = [torch.empty(kv.shape, dtype=acc, device=q.device) for _ in range(2)]
-    dkv_recv = torch.empty_like(dkv_bufs[0])
-    dkv_works: list = []
-    for s, plan in enumerate(plans):
-        kv_works = comm.exchange(kv, kv_next, _KV_TAG) if s + 1 < comm.world else []
-        dkv = dkv_bufs[s % 2]
-        dkv.zero_()
+    kv_own = torch.stack([k, v])
+    dkv_home = torch.zeros(kv_own.shape, dtype=acc, device=q.device)
+
+    def attend(plan, kv, dkv):
         for c in plan:
             op.backward(
                 dout[:, c.q0:c.q1], q[:, c.q0:c.q1], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1],
                 out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1], delta[:, :, c.q0:c.q1], softmax_scale=scale,
                 causal=c.causal, q_start=c.q_start, k_start=c.k_start,
                 dq_acc=dq[:, c.q0:c.q1], dk_acc=dkv[0, :, c.k0:c.k1], dv_acc=dkv[1, :, c.k0:c.k1],
+                lse_grad=None if lse_grad is None else lse_grad[:, :, c.q0:c.q1],
             )
-        if s > 0:
-            # what earlier holders of this K/V added arrives while we compute; add it after
+
+    own_first, own_last = _split_rows(plans[0], q.shape[1] // 2)
+    if comm.world == 1:
+        attend(plans[0], kv_own, dkv_home)
+        return dq, dkv_home[0], dkv_home[1]
+    kv_bufs = [torch.empty_like(kv_own) for _ in range(2)]
+    kv_works = comm.exchange(kv_own, kv_bufs[1], _KV_TAG)
+    attend(own_first, kv_own, dkv_home)
+    # two buffers for the partial dk/dv a step adds (one may still be in flight to rank+1) and one
+    # that receives the partial sums of the K/V we hold next from rank-1
+    dkv_bufs = [torch.empty(kv_own.shape, dtype=acc, device=q.device) for _ in range(2)]
+    dkv_recv = torch.empty_like(dkv_bufs[0])
+    dkv_works: list = []
+    for s in range(1, comm.world):
+        comm.wait(kv_works)
+        kv = kv_bufs[s % 2]  # K/V of rank (rank - s) mod W
+        kv_works = comm.exchange(kv, kv_bufs[(s + 1) % 2], _KV_TAG) if s + 1 < comm.world else []
+        dkv = dkv_bufs[s % 2]
+        dkv.zero_()
+        attend(plans[s], kv, dkv)
+        if s > 1:
+            # what earlier holders of this K/V added arrived while we computed; add it after
             comm.wait(dkv_works)
             dkv += dkv_recv
         dkv_works = comm.exchange(dkv, dkv_recv, _DKV_TAG)
-        comm.wait(kv_works)
-        kv, kv_next = kv_next, kv
-    comm.wait(dkv_works)  # after W hops the accumulators of our own K/V are home
-    return dq, dkv_recv[0], dkv_recv[1]
+    attend(own_last, kv_own, dkv_home)
+    comm.wait(dkv_works)  # the other W-1 ranks' parts of our own K/V's gradients
+    dkv_home += dkv_recv
+    return dq, dkv_home[0], dkv_home[1]
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, op: BlockOp, scale: float, comm: RingComm, plans):
+        ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero gradient
         out_acc, lse = _ring_forward(q, k, v, op, scale, comm, plans)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -92,8 +136,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, g_out, g_lse):
         q, k, v, out, lse = ctx.saved_tensors
         op, scale, comm, plans = ctx.args
-        g_out, delta = op.backward_inputs(g_out, g_lse, out)
-        dq, dk, dv = _ring_backward(g_out, q, k, v, out, lse, delta, op, scale, comm, plans)
+        g_out, delta, lse_grad = op.backward_inputs(g_out, g_lse, out)
+        dq, dk, dv = _ring_backward(g_out, q, k, v, out, lse, delta, lse_grad, op, scale, comm, plans)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

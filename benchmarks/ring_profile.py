@@ -1,0 +1,117 @@
+"""Where the time of one ring attention call goes, per rank (torch.profiler), under torchrun:
+
+    torchrun --nproc_per_node=4 benchmarks/ring_profile.py --backend sdpa --seqlen 32768 [--trace-dir DIR]
+
+Runs a few warm-up calls, then profiles `--iters` calls of causal forward+backward (batch 1 x 32 heads x
+head dim 128, bf16, zigzag) and prints, for every rank: wall milliseconds per call, and GPU kernel time
+per call grouped into attention / NCCL / merge+elementwise / other, plus the time the compute stream
+sat idle. Rank 0 also writes a Chrome trace to `--trace-dir` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+import ringlse
+
+
+def category(name: str) -> str:
+    n = name.lower()
+    if "nccl" in n:
+        return "nccl"
+    if any(s in n for s in ("attn", "attention", "fmha", "flash", "cudnn", "sdpa", "_fwd_kernel", "_bwd_", "dkdv", "_dq")):
+        return "attention"
+    if "merge" in n:
+        return "merge"
+    if any(s in n for s in ("elementwise", "copy", "fill", "reduce", "add", "cat", "stack")):
+        return "elementwise"
+    return "other"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="triton")
+    p.add_argument("--seqlen", type=int, default=32768)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=32)
+    p.add_argument("--causal", default="yes", choices=["yes", "no"])
+    p.add_argument("--mode", default="fwd+bwd", choices=["fwd", "fwd+bwd"])
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--trace-dir", default=None)
+    p.add_argument("--ops", action="store_true", help="rank 0 also prints the top operators by GPU time, with shapes")
+    args = p.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n, causal = args.seqlen // world, args.causal == "yes"
+    mk = lambda h: torch.randn(1, n, h, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v, dout = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+
+    def call():
+        out = ringlse.ring_attention(*leaves, causal=causal, backend=args.backend)
+        if args.mode == "fwd+bwd":
+            out.backward(dout)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.ops) as prof:
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            call()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / args.iters
+    per_cat: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, float] = defaultdict(float)
+    spans = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_resource_id is not None:
+            us = e.time_range.elapsed_us()
+            per_cat[category(e.name)] += us / 1e3 / args.iters
+            per_kernel[e.name[:90]] += us / 1e3 / args.iters
+            if category(e.name) != "nccl":
+                spans.append((e.time_range.start, e.time_range.end))
+    spans.sort()
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:  # union of non-NCCL kernel intervals = compute busy time
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    compute_busy_ms = busy / 1e3 / args.iters
+    lines = [f"rank {rank}: wall {wall_ms:.2f} ms/call, compute busy {compute_busy_ms:.2f} ms "
+             f"(idle {wall_ms - compute_busy_ms:.2f}); " + ", ".join(f"{c} {t:.2f}" for c, t in sorted(per_cat.items()))]
+    lines += [f"    {t:8.3f} ms  {name}" for name, t in sorted(per_kernel.items(), key=lambda x: -x[1])[:8]]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, "\n".join(lines))
+    if rank == 0:
+        print(f"backend={args.backend} S={args.seqlen} W={world} causal={causal} {args.mode} kv_heads={args.kv_heads}")
+        print("\n".join(gathered))
+        if args.ops:
+            print(prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=45, max_shapes_column_width=70))
+        if args.trace_dir:
+            Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(args.trace_dir) / f"ring-{args.backend}-{args.seqlen}.json"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
