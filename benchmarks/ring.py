@@ -153,7 +153,8 @@ def environment(world: int) -> dict:
         "cudnn": torch.backends.cudnn.version(),
         "command": "torchrun --nproc_per_node={} {}".format(world, " ".join(sys.argv)),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
     }
 
 
@@ -191,6 +192,7 @@ def main() -> int:
     args = parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
+    ringlse.tune_nccl_env()  # the same NCCL settings for ringlse and the peer
     dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank)

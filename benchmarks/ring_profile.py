@@ -5,7 +5,7 @@
 Runs a few warm-up calls, then profiles `--iters` calls of causal forward+backward (batch 1 x 32 heads x
 head dim 128, bf16, zigzag) and prints, for every rank: wall milliseconds per call, and GPU kernel time
 per call grouped into attention / NCCL / merge+elementwise / other, plus the time the compute stream
-sat idle. Rank 0 also writes a Chrome trace to `--trace-dir` when given.
+sat idle. Every rank writes a Chrome trace to `--trace-dir` when given.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def main() -> None:
     args = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
+    ringlse.tune_nccl_env()  # the same NCCL settings for ringlse and the peer
     dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     n, causal = args.seqlen // world, args.causal == "yes"
@@ -106,9 +107,9 @@ def main() -> None:
         if args.ops:
             print(prof.key_averages(group_by_input_shape=True).table(
                 sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=45, max_shapes_column_width=70))
-        if args.trace_dir:
-            Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(Path(args.trace_dir) / f"ring-{args.backend}-{args.seqlen}.json"))
+    if args.trace_dir:
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(args.trace_dir) / f"ring-{args.backend}-{args.seqlen}-rank{rank}.json"))
     dist.barrier()
     dist.destroy_process_group()
 

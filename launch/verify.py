@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> bool:
 def _rank_main(rank: int, world: int, rdzv: str, backend: str, args: argparse.Namespace, codes) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank)
+        ringlse.tune_nccl_env()
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group(backend, init_method=rdzv, rank=rank, world_size=world,
@@ -108,6 +109,7 @@ def main(argv=None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         if gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            ringlse.tune_nccl_env()
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
         try:
             return 0 if run(args) else 1

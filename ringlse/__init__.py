@@ -13,6 +13,7 @@ from ringlse.lse_toolkit import log_bmm, log_softmax, logsumexp, softmax
 from ringlse.merge import merge_attn_states, update_out_and_lse
 from ringlse.reference import reference_attention
 from ringlse.ring import ring_attention
+from ringlse.ring_comm import tune_nccl_env
 
 __all__ = [
     "attention",
@@ -28,6 +29,7 @@ __all__ = [
     "ring_attention",
     "shard",
     "softmax",
+    "tune_nccl_env",
     "unshard",
     "update_out_and_lse",
 ]

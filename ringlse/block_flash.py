@@ -130,4 +130,4 @@ def flash_block_backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causa
     )
 
 
-FLASH_BLOCK_OP = BlockOp("flash", flash_block_forward, flash_block_backward)
+FLASH_BLOCK_OP = BlockOp("flash", flash_block_forward, flash_block_backward, uses_delta=False)

@@ -449,4 +449,4 @@ def sdpa_block_backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal
     )
 
 
-SDPA_BLOCK_OP = BlockOp("sdpa", sdpa_block_forward, sdpa_block_backward)
+SDPA_BLOCK_OP = BlockOp("sdpa", sdpa_block_forward, sdpa_block_backward, uses_delta=False)

@@ -38,6 +38,9 @@ class BlockOp:
     backward: Callable[..., None]
     # rowsum(dout * out) in the lse layout; a backend may override it with a kernel
     delta: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # False for kernels that compute rowsum(dout * out) themselves (cuDNN, flash-attn): callers then
+    # pass delta=None and skip its four passes over dout and out
+    uses_delta: bool = True
 
     def compute_delta(self, dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.delta is not None:
@@ -48,16 +51,18 @@ class BlockOp:
         self, g_out: torch.Tensor | None, g_lse: torch.Tensor | None, out: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`(dout, delta, lse_grad)` for a backward pass that received gradients of out and/or lse
-        (None where autograd has none: callers `set_materialize_grads(False)`).
+        (None where autograd has none: callers `set_materialize_grads(False)`); delta is None for ops
+        that do not use it.
 
         `d lse_i / d s_ij = p_ij`, so an lse gradient enters as a shift of delta: the kernels then
         compute `ds = p * (dp - delta + g_lse)` without knowing about it.
         """
         dout = torch.zeros_like(out) if g_out is None else g_out.contiguous()
+        lse_grad = None if g_lse is None else g_lse.to(torch.float64 if out.dtype == torch.float64 else torch.float32)
+        if not self.uses_delta:
+            return dout, None, lse_grad
         delta = self.compute_delta(dout, out)
-        lse_grad = None
-        if g_lse is not None:
-            lse_grad = g_lse.to(delta.dtype)
+        if lse_grad is not None:
             delta = delta - lse_grad
         return dout, delta, lse_grad
 

@@ -29,23 +29,38 @@ def _plans(layout: str, comm: RingComm, n: int, causal: bool) -> list[list[Block
     return [plan_step(layout, comm.rank, (comm.rank - s) % comm.world, comm.world, n, causal) for s in range(comm.world)]
 
 
-def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans) -> tuple[torch.Tensor, torch.Tensor]:
+def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, check) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 0 (the own block) is queued before `check()` waits for the ranks' agreement, and the
+    first K/V transfer waits only for the packed K/V, so neither the agreement nor the first
+    transfer leaves the GPU idle."""
     b, n, h, d = q.shape
     acc = lse_dtype(q.dtype)
     out = torch.zeros((b, n, h, d), dtype=acc, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
     kv = torch.stack([k, v])  # one contiguous buffer per step: a single send and a single receive
     kv_next = torch.empty_like(kv)
-    for s, plan in enumerate(plans):
-        works = comm.exchange(kv, kv_next, _KV_TAG) if s + 1 < comm.world else []
+    ready = None
+    if kv.device.type == "cuda" and comm.world > 1:
+        ready = torch.cuda.Event()
+        ready.record()
+
+    def attend(plan, kv):
         for c in plan:
             op.forward(
                 q[:, c.q0:c.q1], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1], softmax_scale=scale,
                 causal=c.causal, q_start=c.q_start, k_start=c.k_start,
                 out_acc=out[:, c.q0:c.q1], lse_acc=lse[:, :, c.q0:c.q1],
             )
+
+    attend(plans[0][:1], kv)
+    check()  # every rank raises here on bad or mismatched inputs, before any K/V moves
+    works = comm.exchange(kv, kv_next, _KV_TAG, ready=ready) if comm.world > 1 else []
+    attend(plans[0][1:], kv)
+    for s in range(1, comm.world):
         comm.wait(works)
-        kv, kv_next = kv_next, kv
+        kv, kv_next = kv_next, kv  # K/V of rank (rank - s) mod W
+        works = comm.exchange(kv, kv_next, _KV_TAG) if s + 1 < comm.world else []
+        attend(plans[s], kv)
     return out, lse
 
 
@@ -86,7 +101,8 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
         for c in plan:
             op.backward(
                 dout[:, c.q0:c.q1], q[:, c.q0:c.q1], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1],
-                out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1], delta[:, :, c.q0:c.q1], softmax_scale=scale,
+                out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1], None if delta is None else delta[:, :, c.q0:c.q1],
+                softmax_scale=scale,
                 causal=c.causal, q_start=c.q_start, k_start=c.k_start,
                 dq_acc=dq[:, c.q0:c.q1], dk_acc=dkv[0, :, c.k0:c.k1], dv_acc=dkv[1, :, c.k0:c.k1],
                 lse_grad=None if lse_grad is None else lse_grad[:, :, c.q0:c.q1],
@@ -124,9 +140,9 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, op: BlockOp, scale: float, comm: RingComm, plans):
+    def forward(ctx, q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, check):
         ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero gradient
-        out_acc, lse = _ring_forward(q, k, v, op, scale, comm, plans)
+        out_acc, lse = _ring_forward(q, k, v, op, scale, comm, plans, check)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (op, scale, comm, plans)
@@ -138,7 +154,7 @@ class _RingAttention(torch.autograd.Function):
         op, scale, comm, plans = ctx.args
         g_out, delta, lse_grad = op.backward_inputs(g_out, g_lse, out)
         dq, dk, dv = _ring_backward(g_out, q, k, v, out, lse, delta, lse_grad, op, scale, comm, plans)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 _LAYOUT_CODES = {name: i for i, name in enumerate(LAYOUTS)}
@@ -210,7 +226,9 @@ def ring_attention(
     shapes = [*q.shape, *k.shape] if error is None else [-1] * 8
     meta = [*shapes, _DTYPE_CODES.get(q.dtype, -1) if error is None else -1, int(causal),
             _LAYOUT_CODES.get(layout, -1), round((scale or 0.0) * 2**30)]
-    comm.agree(meta, error)
+    check = comm.post_agreement(meta, error)
+    if error is not None:
+        check()  # raises on every rank; the others raise in their check() below
     plans = _plans(layout, comm, q.shape[1], causal)
-    out, lse = _RingAttention.apply(q, k, v, op, scale, comm, plans)
+    out, lse = _RingAttention.apply(q, k, v, op, scale, comm, plans, check)
     return (out, lse) if return_lse else out

@@ -3,10 +3,27 @@ inputs before any K/V moves (so a mismatch raises everywhere instead of hanging)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+# NCCL picks how many channels carry a point-to-point message from its size in chunks: with the
+# default 512 KiB NVLink chunk, a 64-128 MiB K/V block moved at ~110 GiB/s on 4xH200 (NCCL 2.28),
+# with 128 KiB chunks at ~300 GiB/s (benchmarks/p2p_bandwidth.py, benchmarks/NOTES.md).
+NCCL_RING_ENV = {"NCCL_P2P_NVL_CHUNKSIZE": str(128 * 1024)}
+
+
+def tune_nccl_env() -> dict[str, str]:
+    """Set the NCCL variables the ring's transfers run best with, unless the user set them already.
+
+    Call it before the process group's first NCCL operation (NCCL reads them when it creates its
+    communicator). Returns the values in effect.
+    """
+    for key, value in NCCL_RING_ENV.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in NCCL_RING_ENV}
 
 
 class RingComm:
@@ -27,9 +44,20 @@ class RingComm:
             if group is not None:
                 raise ValueError("a process group was given but torch.distributed is not initialized")
             self.group, self.rank, self.world, self.next, self.prev, self.backend = None, 0, 1, 0, 0, None
+        self._stream: torch.cuda.Stream | None = None
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> list:
-        """Post `send` -> rank+1 and `recv` <- rank-1; returns the works to `wait` on."""
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0,
+                 ready: torch.cuda.Event | None = None) -> list:
+        """Post `send` -> rank+1 and `recv` <- rank-1; returns the works to `wait` on.
+
+        NCCL starts a transfer once everything queued so far on the current stream is done. With
+        `ready` (an event recorded when `send` was written) it is posted from a side stream and waits
+        for that event only, so it can overlap kernels queued earlier on the current stream."""
         if self.world == 1:
             recv.copy_(send)
             return []
@@ -37,26 +65,58 @@ class RingComm:
             dist.P2POp(dist.isend, send, self.next, self.group, tag),
             dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
         ]
-        return dist.batch_isend_irecv(ops)
+        if ready is None or send.device.type != "cuda":
+            return dist.batch_isend_irecv(ops)
+        stream = self._side_stream()
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            return dist.batch_isend_irecv(ops)
 
     @staticmethod
     def wait(works: Sequence) -> None:
         for w in works:
             w.wait()
 
-    def agree(self, meta: Sequence[int], error: str | None) -> None:
-        """All ranks compare `meta` (ints describing their inputs) and their local `error`; if any rank
-        has an error or any two disagree, every rank raises ValueError (the same decision everywhere)."""
+    def post_agreement(self, meta: Sequence[int], error: str | None) -> Callable[[], None]:
+        """Start comparing `meta` (ints describing this rank's inputs) and its local `error` across
+        ranks; returns `check()`, which raises ValueError on every rank if any rank has an error or
+        any two disagree (the same decision everywhere), and returns quietly otherwise.
+
+        On NCCL the gather runs on a side stream and `check()` waits for it alone, not for kernels
+        queued on the current stream, so a caller can queue local work before checking."""
         if self.world == 1:
-            if error is not None:
-                raise ValueError(error)
-            return
+            def check_alone() -> None:
+                if error is not None:
+                    raise ValueError(error)
+            return check_alone
+        row = [0 if error is None else 1, *meta]
+        if self.backend != "nccl":
+            table_cpu = torch.empty((self.world, len(row)), dtype=torch.int64)
+            rows = list(table_cpu.unbind(0))
+            work = dist.all_gather(rows, torch.tensor(row, dtype=torch.int64), group=self.group, async_op=True)
+
+            def check_gloo() -> None:
+                work.wait()
+                self._decide(table_cpu, error)
+            return check_gloo
         # NCCL only moves CUDA tensors; decide the device from the group, not from (maybe bad) inputs
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        row = torch.tensor([0 if error is None else 1, *meta], dtype=torch.int64, device=device)
-        rows = [torch.empty_like(row) for _ in range(self.world)]
-        dist.all_gather(rows, row, group=self.group)
-        table = torch.stack(rows).cpu()
+        stream = self._side_stream()
+        with torch.cuda.stream(stream):
+            row_gpu = torch.tensor(row, dtype=torch.int64, device="cuda")
+            table = torch.empty((self.world, len(row)), dtype=torch.int64, device="cuda")
+            dist.all_gather_into_tensor(table, row_gpu, group=self.group)
+            table_cpu = torch.empty(table.shape, dtype=torch.int64, pin_memory=True)
+            table_cpu.copy_(table, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+
+        def check_nccl() -> None:
+            done.synchronize()
+            del row_gpu, table  # (kept alive until the copy is done)
+            self._decide(table_cpu, error)
+        return check_nccl
+
+    def _decide(self, table: torch.Tensor, error: str | None) -> None:
         if error is not None:
             raise ValueError(f"rank {self.rank}: {error}")
         bad = [r for r in range(self.world) if table[r, 0] != 0]
