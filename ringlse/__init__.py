@@ -13,7 +13,7 @@ from ringlse.lse_toolkit import log_bmm, log_softmax, logsumexp, softmax
 from ringlse.merge import merge_attn_states, update_out_and_lse
 from ringlse.reference import reference_attention
 from ringlse.ring import ring_attention
-from ringlse.ring_comm import tune_nccl_env
+from ringlse.ring_comm import nccl_options, tune_nccl_env
 
 __all__ = [
     "attention",
@@ -25,6 +25,7 @@ __all__ = [
     "log_softmax",
     "logsumexp",
     "merge_attn_states",
+    "nccl_options",
     "reference_attention",
     "ring_attention",
     "shard",
