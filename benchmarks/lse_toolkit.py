@@ -153,8 +153,8 @@ def family_case(rows: int, cols: int, dtype: torch.dtype, copy: float) -> list[d
 
 
 def _time_knobs(knobs: dict, cases: list[tuple[int, int]], what: str) -> dict:
-    """Median ms of `what` (fwd: softmax forward; bwd: softmax backward; lse: logsumexp forward) per
-    fp32 case under `knobs`, restoring the tuning afterwards."""
+    """Median ms of `what` (fwd: softmax forward; bwd: softmax backward; both: their sum; lse:
+    logsumexp forward) per fp32 case under `knobs`, restoring the tuning afterwards."""
     saved = dict(ks.TUNING)
     ks.TUNING.update(knobs)
     rec = {"knobs": knobs, "what": what, "ms": {}}
@@ -169,6 +169,8 @@ def _time_knobs(knobs: dict, cases: list[tuple[int, int]], what: str) -> dict:
                 y = ks.softmax_forward(x)
                 g = torch.randn_like(y)
                 ms = bench(lambda: ks.softmax_backward(y, g))
+                if what == "both":
+                    ms += bench(lambda: ks.softmax_forward(x))
             rec["ms"][f"{rows}x{cols}"] = ms
         rec["total_ms"] = sum(rec["ms"].values())
     except Exception as e:  # a variant that does not compile or fit is data too
@@ -181,7 +183,7 @@ def _time_knobs(knobs: dict, cases: list[tuple[int, int]], what: str) -> dict:
     return rec
 
 
-def tune_softmax() -> tuple[dict, list[dict]]:
+def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
     """Pick the dispatch knobs from a small sweep (fp32, 64M-element cases), set them in ks.TUNING and
     return them with the sweep's records: the main measurements then run with the winners."""
     log = []
@@ -200,6 +202,10 @@ def tune_softmax() -> tuple[dict, list[dict]]:
     pick("long-row chunk (fwd)", [{"chunk": c, "chunk_warps": w} for c, w in ((2048, 4), (4096, 8), (8192, 8), (8192, 16))],
          long, "fwd")
     pick("split threshold (fwd)", [{"split_rows": v} for v in (None, 64, 1 << 30)], long[:2], "fwd")
+    if coop:  # last: the other knobs are what it is compared with
+        pick("cooperative long rows (fwd + bwd)",
+             [{"coop": 0}] + [{"coop": 1, "coop_piece": p, "coop_warps": w} for p, w in ((2048, 4), (4096, 8), (8192, 16))],
+             [(TOTAL // 65536, 65536)] + long + [(8, 131072)], "both")
     bmid = [(TOTAL // 8192, 8192), (TOTAL // 16384, 16384)]
     pick("row block (bwd)", [{"max_row_block_bwd": v} for v in (4096, 8192, 16384)], bmid, "bwd")
     return chosen, log
@@ -391,8 +397,11 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--quick", action="store_true", help="fewer sizes, no variant sweeps")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: tune,family,log_bmm")
+    ap.add_argument("--no-coop", action="store_true", help="measure without the cooperative long-row kernels")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    if args.no_coop:
+        ks.TUNING["coop"] = 0
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
@@ -433,7 +442,7 @@ def main() -> None:
     # tune first (short sweeps), then measure with the winners; most important measurements first, so
     # that a run cut short by its time limit still leaves a JSON of what it measured
     if "tune" not in skip:
-        result["tuned_softmax"], result["variants"] = tune_softmax()
+        result["tuned_softmax"], result["variants"] = tune_softmax(coop=not args.no_coop)
         result["tuning_softmax"] = dict(ks.TUNING)
         save()
     if "family" not in skip:

@@ -14,6 +14,14 @@ Three row regimes, chosen by `_plan`:
 - long rows, few of them: each row is split into pieces over several programs; a stats kernel writes
   one `(max, sum)` per piece and the normalising kernel (or, for logsumexp, a tiny combine kernel)
   merges them.
+- long rows on a GPU (softmax, log_softmax and their backward; `TUNING["coop"]`): the two-pass forms
+  read each element twice from memory once the rows in flight outgrow L2 (3 bytes moved per 2 needed,
+  at most 2/3 of copy bandwidth). The cooperative kernel keeps each piece of a row in registers
+  instead: the pieces of a row are programs that run at the same time, publish their `(max, sum)` (or
+  backward row sum), wait on a per-row counter until all have, merge, and write from registers: one
+  read, one write. The grid is sized from the compiled kernel's occupancy so that every program is
+  resident at once (a program waits only on programs that are running); the Triton interpreter runs
+  programs one after another, so there (CPU) the other paths are used.
 
 All arithmetic is float32 whatever the input dtype (fp32/bf16/fp16), outputs are in the input dtype.
 An all `-inf` row gives softmax 0, log_softmax `-inf`, logsumexp `-inf`, and no NaN anywhere, forward
@@ -21,6 +29,8 @@ or backward.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -44,6 +54,9 @@ TUNING: dict[str, int | None] = {
     "chunk_warps": 8,
     "row_warps": None,  # None: chosen from the tile size
     "split_rows": None,  # fewer rows than this split each row over programs; None: 2 x SMs
+    "coop": 1,  # long rows on a GPU: cooperative pieces held in registers (0: the two-pass paths)
+    "coop_piece": 2048,  # columns per cooperative program (held in registers)
+    "coop_warps": 4,
 }
 
 
@@ -304,6 +317,94 @@ def _bwd_long_kernel(
 
 
 @triton.jit
+def _wait_for_pieces(flag_ptr, row, k, K, KB: tl.constexpr):
+    """Mark piece k of `row` as published and spin until all K pieces of the row are.
+
+    The barrier orders every thread's partial store before the release; setting a flag (not adding
+    to a count) is the same whether one thread or all execute it; the flags are read with acquire
+    atomics (in L2), and the reduction that sums them is a barrier too, so every thread of the
+    program leaves the loop together and reads the partials after it (with .cg loads, from L2)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr + row * K + k, 1, sem="release", scope="gpu")
+    offs = tl.arange(0, KB)
+    seen = tl.full([], 0, tl.int32)
+    while seen < K:
+        flags = tl.atomic_add(flag_ptr + row * K + offs, 0, mask=offs < K, sem="acquire", scope="gpu")
+        seen = tl.sum(tl.where(offs < K, flags, 0), axis=0)
+
+
+@triton.jit
+def _fwd_coop_kernel(
+    x_ptr, y_ptr, pm_ptr, ps_ptr, cnt_ptr, R, N, I,
+    sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, K, SLOTS,
+    MODE: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, COL64: tl.constexpr,
+):
+    """Programs `slot * K + k` hold piece k of rows slot, slot + SLOTS, ...: one read, one write."""
+    pid = tl.program_id(0)
+    slot = pid // K
+    k = pid - slot * K
+    cols = k * PIECE + tl.arange(0, PIECE)
+    cmask = cols < N
+    offs = tl.arange(0, KB)
+    for row in range(slot, R, SLOTS):
+        xs = _row_start(row, I, sx_o, sx_i)
+        x = tl.load(x_ptr + xs + _col_offsets(cols, sx_n, COL64), mask=cmask, other=float("-inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        e = tl.exp2((x - m_safe) * LOG2E)
+        tl.store(pm_ptr + row * K + k, m)
+        tl.store(ps_ptr + row * K + k, tl.sum(e, axis=0))
+        _wait_for_pieces(cnt_ptr, row, k, K, KB)
+        # .cg: read the other programs' partials from L2, never from a stale L1 line
+        pm = tl.load(pm_ptr + row * K + offs, mask=offs < K, other=float("-inf"), cache_modifier=".cg")
+        ps = tl.load(ps_ptr + row * K + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
+        M, S = _merge_lanes(pm, ps)
+        M_safe = tl.where(M == float("-inf"), 0.0, M)
+        if MODE == 0:
+            # exp(x - M) / S = e * exp(m_safe - M) / S; an all -inf row has S = 0 and gives 0
+            y = e * tl.where(S > 0.0, tl.exp2((m_safe - M_safe) * LOG2E) / S, 0.0)
+        else:
+            y = x - tl.where(S > 0.0, M_safe + tl.log2(S) * LN2, 0.0)
+        ys = _row_start(row, I, sy_o, sy_i)
+        tl.store(y_ptr + ys + _col_offsets(cols, sy_n, COL64), y.to(y_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _bwd_coop_kernel(
+    y_ptr, g_ptr, dx_ptr, part_ptr, cnt_ptr, R, N, I,
+    sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n, K, SLOTS,
+    LOG: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, COL64: tl.constexpr,
+):
+    """The backward in the same cooperative form: pieces of y and g stay in registers while the row
+    sum (sum(g * y), or sum(g) for log_softmax) is merged."""
+    pid = tl.program_id(0)
+    slot = pid // K
+    k = pid - slot * K
+    cols = k * PIECE + tl.arange(0, PIECE)
+    cmask = cols < N
+    offs = tl.arange(0, KB)
+    y_other = float("-inf") if LOG else 0.0
+    for row in range(slot, R, SLOTS):
+        ystart = _row_start(row, I, sy_o, sy_i)
+        gstart = _row_start(row, I, sg_o, sg_i)
+        y = tl.load(y_ptr + ystart + _col_offsets(cols, sy_n, COL64), mask=cmask, other=y_other).to(tl.float32)
+        g = tl.load(g_ptr + gstart + _col_offsets(cols, sg_n, COL64), mask=cmask, other=0.0).to(tl.float32)
+        if LOG:
+            part = tl.sum(g, axis=0)
+        else:
+            part = tl.sum(g * y, axis=0)
+        tl.store(part_ptr + row * K + k, part)
+        _wait_for_pieces(cnt_ptr, row, k, K, KB)
+        total = tl.sum(tl.load(part_ptr + row * K + offs, mask=offs < K, other=0.0, cache_modifier=".cg"), axis=0)
+        if LOG:
+            dx = g - tl.exp2(y * LOG2E) * total
+        else:
+            dx = y * (g - total)
+        dstart = _row_start(row, I, sd_o, sd_i)
+        tl.store(dx_ptr + dstart + _col_offsets(cols, sd_n, COL64), dx.to(dx_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
 def _lse_bwd_kernel(
     x_ptr, lse_ptr, g_ptr, dx_ptr, R, N, I, sx_o, sx_i, sx_n, sd_o, sd_i, sd_n, N_COL_TILES,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, COL64: tl.constexpr,
@@ -434,6 +535,80 @@ def _split(R: int, N: int, device: torch.device) -> tuple[int, int, int]:
     return triton.cdiv(N, piece), piece, chunk
 
 
+def _coop_plan(R: int, N: int, device: torch.device) -> tuple[int, int, int] | None:
+    """(pieces per row K, piece length, warps) for the cooperative kernels, or None where they do not
+    apply (CPU / the interpreter, knob off, or a row needing more programs than the GPU holds)."""
+    if device.type != "cuda" or not TUNING["coop"] or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    piece = int(TUNING["coop_piece"])
+    k = triton.cdiv(N, piece)
+    return (k, piece, int(TUNING["coop_warps"])) if k <= _num_sms(device) else None
+
+
+_RESIDENT: dict[tuple, int] = {}
+
+
+def _resident_programs(kernel, args: tuple, consts: dict, warps: int, device: torch.device) -> int:
+    """How many programs of the compiled `kernel` the whole GPU holds at once (registers, threads,
+    shared memory per SM), so that a cooperative grid never waits on a program that cannot start."""
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else id(kernel), tuple(sorted(consts.items())), warps, device.index)
+    if key not in _RESIDENT:
+        compiled = kernel.warmup(*args, grid=(1,), num_warps=warps, **consts)
+        compiled._init_handles()
+        props = torch.cuda.get_device_properties(device)
+        threads = 32 * warps
+        # registers are allocated per warp in units of 256; + 8 per thread of margin, since the launch
+        # compiles its own specialisation of the integer arguments
+        regs_per_warp = -(-(compiled.n_regs + 8) * 32 // 256) * 256
+        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
+        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+        smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+        by_smem = smem // (compiled.metadata.shared + 1024)  # + the 1 KiB the driver reserves per block
+        _RESIDENT[key] = max(0, min(by_regs, by_threads, by_smem, 32)) * props.multi_processor_count
+    return _RESIDENT[key]
+
+
+def _coop_grid(kernel, args: tuple, consts: dict, warps: int, R: int, K: int, device: torch.device) -> int | None:
+    """Rows in flight (SLOTS) for a cooperative launch of K programs per row, or None if one row's
+    programs cannot all be resident."""
+    slots = min(R, _resident_programs(kernel, args, consts, warps, device) // K)
+    return slots if slots >= 1 else None
+
+
+def _coop_forward(xm, ym, R: int, N: int, I: int, strides: tuple, mode: int, col64: bool) -> bool:
+    """Run the cooperative forward if it applies; False otherwise (the caller takes another path)."""
+    plan = _coop_plan(R, N, xm.device)
+    if plan is None:
+        return False
+    K, piece, warps = plan
+    pm = torch.empty((R, K), dtype=torch.float32, device=xm.device)
+    ps = torch.empty_like(pm)
+    cnt = torch.zeros((R, K), dtype=torch.int32, device=xm.device)  # one ready flag per piece
+    consts = dict(MODE=mode, PIECE=piece, KB=triton.next_power_of_2(K), COL64=col64)
+    args = (xm, ym, pm, ps, cnt, R, N, I, *strides, K, 3)  # (3: a placeholder for SLOTS)
+    slots = _coop_grid(_fwd_coop_kernel, args, consts, warps, R, K, xm.device)
+    if slots is None:
+        return False
+    _fwd_coop_kernel[(slots * K,)](*args[:-1], slots, num_warps=warps, **consts)
+    return True
+
+
+def _coop_backward(ym, gm, dm, R: int, N: int, I: int, strides: tuple, log: bool, col64: bool) -> bool:
+    plan = _coop_plan(R, N, ym.device)
+    if plan is None:
+        return False
+    K, piece, warps = plan
+    part = torch.empty((R, K), dtype=torch.float32, device=ym.device)
+    cnt = torch.zeros((R, K), dtype=torch.int32, device=ym.device)
+    consts = dict(LOG=log, PIECE=piece, KB=triton.next_power_of_2(K), COL64=col64)
+    args = (ym, gm, dm, part, cnt, R, N, I, *strides, K, 3)
+    slots = _coop_grid(_bwd_coop_kernel, args, consts, warps, R, K, ym.device)
+    if slots is None:
+        return False
+    _bwd_coop_kernel[(slots * K,)](*args[:-1], slots, num_warps=warps, **consts)
+    return True
+
+
 def softmax_forward(
     x: torch.Tensor, dim: int = -1, *, log: bool = False, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -466,6 +641,8 @@ def softmax_forward(
             xm, ym, xm, R, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n,
             MODE=mode, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
         )
+    elif _coop_forward(xm, ym, R, N, I, (sx_o, sx_i, sx_n, sy_o, sy_i, sy_n), mode, col64):
+        pass
     else:
         n_pieces, piece, chunk = _split(R, N, x.device)
         warps = int(TUNING["chunk_warps"])
@@ -576,6 +753,8 @@ def softmax_backward(
             ym, gm, dm, R, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n,
             LOG=log, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
         )
+    elif _coop_backward(ym, gm, dm, R, N, I, (sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n), log, col64):
+        pass
     else:
         n_pieces, piece, chunk = _split(R, N, y.device)
         warps = int(TUNING["chunk_warps"])

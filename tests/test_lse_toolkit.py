@@ -444,6 +444,48 @@ def test_gpu_other_dim_no_copy(mode):
     judge_against("dx", dx, x.detach(), 1, mode, torch.bfloat16, g=g)
 
 
+COOP_CASES = [  # rows, cols, dim, dtype: pieces of a row in registers, merged across programs
+    pytest.param(3, 100003, -1, torch.float32, id="3x100003-fp32"),
+    pytest.param(257, 40000, -1, torch.bfloat16, id="257x40000-bf16"),
+    pytest.param(40001, 5, 0, torch.float32, id="40001x5-dim0-fp32"),  # strided columns
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("piece,warps", [(2048, 4), (4096, 8), (8192, 16)], ids=lambda v: str(v))
+@pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("rows,cols,dim,dtype", COOP_CASES)
+def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, piece, warps):
+    from ringlse.kernels import softmax as ks
+
+    for key, value in {"coop": 1, "coop_piece": piece, "coop_warps": warps, "max_row_block": 16,
+                       "max_row_block_bwd": 16}.items():
+        monkeypatch.setitem(ks.TUNING, key, value)
+    ran = []
+
+    def spy(name):
+        inner = getattr(ks, name)
+
+        def wrapped(*args):
+            ran.append(inner(*args))
+            return ran[-1]
+        monkeypatch.setattr(ks, name, wrapped)
+
+    spy("_coop_forward")
+    spy("_coop_backward")
+    shape = (rows, cols) if dim == -1 else (cols, rows)
+    x = make_x(shape, dim, dtype, scale=3.0, seed=16, device="cuda")  # with all -inf rows
+    y = ks.softmax_forward(x, dim, log=mode == "log_softmax")
+    assert ran == [True]  # the cooperative kernel ran (the grid fits the GPU)
+    assert not torch.isnan(y).any()
+    judge_against("fwd", y, x, dim, mode, dtype)
+    g = torch.randn(x.shape, device="cuda", dtype=F64).to(dtype)
+    dx = ks.softmax_backward(y, g, dim, log=mode == "log_softmax")
+    assert ran == [True, True]
+    assert not torch.isnan(dx).any()
+    judge_against("dx", dx, x, dim, mode, dtype, g=g)
+
+
 @pytest.mark.gpu
 def test_gpu_matches_torch_softmax():
     x = torch.randn(64, 5000, device="cuda")
