@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched session on a multi-GPU host: install, GPU tests, torchrun verification, ring + merge + LSE
 # toolkit benchmarks, each step under its own time limit so one slow step cannot starve the rest.
-# Usage: bash benchmarks/run_gpu_session.sh OUT_DIR [tests|final]   (all logs go to OUT_DIR/session.log)
+# Usage: bash benchmarks/run_gpu_session.sh OUT_DIR [tests|final|all|ring2]   (all logs go to OUT_DIR/session.log)
 set -uo pipefail
 out=${1:?output dir}; what=${2:-final}
 log="$out/session.log"
@@ -18,17 +18,19 @@ step() {  # step SECONDS NAME COMMAND...: run with a limit, log everything, show
     timeout "$limit" "$@" >>"$log" 2>&1 || { echo "step $name failed/timed out (rc=$?)" | tee -a "$log"; rc=1; }
     grep -v "ring bench:" "$log" | tail -n 12
 }
-if [[ $what == tests ]]; then
-    step 300 gpu-tests python3 -m pytest -q -m gpu tests/test_ring_gpu.py tests/test_backends.py tests/test_merge_kernel.py -p no:cacheprovider
+if [[ $what == tests || $what == all ]]; then
+    step 200 gpu-tests python3 -m pytest -q -m gpu tests/test_ring_gpu.py tests/test_backends.py tests/test_merge_kernel.py -p no:cacheprovider
+    step 100 lse-gpu-tests python3 -m pytest tests/test_lse_toolkit.py -q -m gpu -p no:cacheprovider
 fi
-if [[ $what == final ]]; then
-    step 250 ring-bench torchrun --nproc_per_node="$n" benchmarks/ring.py --out "$out" --budget-s 0.3
+if [[ $what == final || $what == all ]]; then
     for causal in yes no; do
         step 45 "verify-causal-$causal" torchrun --nproc_per_node="$n" launch/verify.py --seqlen 8192 --heads 8 \
             --kv-heads 2 --head-dim 128 --causal "$causal"
     done
-    step 70 lse-gpu-tests python3 -m pytest tests/test_lse_toolkit.py -q -m gpu -p no:cacheprovider
-    step 110 lse-bench python3 benchmarks/lse_toolkit.py --out "$out"
-    step 40 merge-bench python3 benchmarks/merge.py --out "$out"
+    step 90 lse-bench python3 benchmarks/lse_toolkit.py --out "$out"
+    step 260 ring-bench torchrun --nproc_per_node="$n" benchmarks/ring.py --out "$out" --budget-s 0.25
+fi
+if [[ $what == ring2 ]]; then  # the same ring benchmark on 2 of the GPUs
+    step 200 ring-bench-2 torchrun --nproc_per_node=2 benchmarks/ring.py --out "$out" --budget-s 0.25 --gqa-kv-heads 0
 fi
 exit $rc

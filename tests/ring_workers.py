@@ -66,7 +66,11 @@ def expect_value_errors(rank, world, layout_bad_n: int) -> list[tuple[str, bool,
         else:
             results.append((name, False, "no error"))
 
-    r = torch.randn
+    # CUDA tensors on an NCCL group (rank r on GPU r), CPU tensors on gloo
+    device = f"cuda:{torch.cuda.current_device()}" if torch.distributed.get_backend() == "nccl" else "cpu"
+
+    def r(*shape, dtype=torch.float32):
+        return torch.randn(*shape, dtype=dtype, device=device)
     # length that does not divide: zigzag needs an even local length
     attempt("zigzag odd local length", lambda: ringlse.ring_attention(
         r(1, layout_bad_n, 2, 8), r(1, layout_bad_n, 2, 8), r(1, layout_bad_n, 2, 8), causal=True, layout="zigzag"))
@@ -86,7 +90,7 @@ def expect_value_errors(rank, world, layout_bad_n: int) -> list[tuple[str, bool,
             r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), causal=rank == 0, layout="contiguous"))
     attempt("shard length not divisible", lambda: ringlse.shard(r(1, 2 * world + 1, 2, 8), "zigzag"))
     # the group is still usable after all that
-    x = torch.full((1,), float(rank))
+    x = torch.full((1,), float(rank), device=device)
     torch.distributed.all_reduce(x)
     results.append(("group usable after errors", x.item() == world * (world - 1) / 2, str(x.item())))
     return results
