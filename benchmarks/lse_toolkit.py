@@ -203,9 +203,13 @@ def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
          long, "fwd")
     pick("split threshold (fwd)", [{"split_rows": v} for v in (None, 64, 1 << 30)], long[:2], "fwd")
     if coop:  # last: the other knobs are what it is compared with
-        pick("cooperative long rows (fwd + bwd)",
-             [{"coop": 0}] + [{"coop": 1, "coop_piece": p, "coop_warps": w} for p, w in ((2048, 4), (4096, 8), (8192, 16))],
-             [(TOTAL // 65536, 65536)] + long + [(8, 131072)], "both")
+        coop_cases = [(TOTAL // 65536, 65536), (TOTAL // 131072, 131072), (TOTAL >> 20, 1 << 20), (4, 1 << 20),
+                      (8, 131072)]
+        for which in ("fwd", "bwd"):
+            pick(f"cooperative long rows ({which})",
+                 [{f"coop_{which}": 0}] + [{f"coop_{which}": 1, f"coop_piece_{which}": p, f"coop_warps_{which}": w}
+                                          for p, w in ((1024, 4), (2048, 4), (4096, 8))],
+                 coop_cases, which)
     bmid = [(TOTAL // 8192, 8192), (TOTAL // 16384, 16384)]
     pick("row block (bwd)", [{"max_row_block_bwd": v} for v in (4096, 8192, 16384)], bmid, "bwd")
     return chosen, log
@@ -401,7 +405,7 @@ def main() -> None:
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if args.no_coop:
-        ks.TUNING["coop"] = 0
+        ks.TUNING["coop_fwd"] = ks.TUNING["coop_bwd"] = 0
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched session on a multi-GPU host: install, GPU tests, torchrun verification, ring + merge + LSE
 # toolkit benchmarks, each step under its own time limit so one slow step cannot starve the rest.
-# Usage: bash benchmarks/run_gpu_session.sh OUT_DIR [tests|final|all|ring2]   (all logs go to OUT_DIR/session.log)
+# Usage: bash benchmarks/run_gpu_session.sh OUT_DIR [tests|final|all|lse|ring2]   (all logs go to OUT_DIR/session.log)
 set -uo pipefail
 out=${1:?output dir}; what=${2:-final}
 log="$out/session.log"
@@ -30,7 +30,12 @@ if [[ $what == final || $what == all ]]; then
     step 90 lse-bench python3 benchmarks/lse_toolkit.py --out "$out"
     step 260 ring-bench torchrun --nproc_per_node="$n" benchmarks/ring.py --out "$out" --budget-s 0.25
 fi
-if [[ $what == ring2 ]]; then  # the same ring benchmark on 2 of the GPUs
-    step 200 ring-bench-2 torchrun --nproc_per_node=2 benchmarks/ring.py --out "$out" --budget-s 0.25 --gqa-kv-heads 0
+if [[ $what == lse ]]; then  # the LSE toolkit alone (tests, then the benchmark)
+    step 100 lse-gpu-tests python3 -m pytest tests/test_lse_toolkit.py -q -m gpu -p no:cacheprovider
+    step 120 lse-bench python3 benchmarks/lse_toolkit.py --out "$out"
+fi
+if [[ $what == ring2 || $what == lse ]]; then  # the ring benchmark on 2 of the GPUs (causal fwd+bwd)
+    step 200 ring-bench-2 torchrun --nproc_per_node=2 benchmarks/ring.py --out "$out" --budget-s 0.25 \
+        --gqa-kv-heads 0 --causal yes --modes fwd+bwd
 fi
 exit $rc

@@ -14,7 +14,7 @@ Three row regimes, chosen by `_plan`:
 - long rows, few of them: each row is split into pieces over several programs; a stats kernel writes
   one `(max, sum)` per piece and the normalising kernel (or, for logsumexp, a tiny combine kernel)
   merges them.
-- long rows on a GPU (softmax, log_softmax and their backward; `TUNING["coop"]`): the two-pass forms
+- long rows on a GPU (softmax, log_softmax and their backward; `TUNING["coop_*"]`): the two-pass forms
   read each element twice from memory once the rows in flight outgrow L2 (3 bytes moved per 2 needed,
   at most 2/3 of copy bandwidth). The cooperative kernel keeps each piece of a row in registers
   instead: the pieces of a row are programs that run at the same time, publish their `(max, sum)` (or
@@ -54,9 +54,14 @@ TUNING: dict[str, int | None] = {
     "chunk_warps": 8,
     "row_warps": None,  # None: chosen from the tile size
     "split_rows": None,  # fewer rows than this split each row over programs; None: 2 x SMs
-    "coop": 1,  # long rows on a GPU: cooperative pieces held in registers (0: the two-pass paths)
-    "coop_piece": 2048,  # columns per cooperative program (held in registers)
-    "coop_warps": 4,
+    # long rows on a GPU: cooperative pieces held in registers (0: the two-pass paths), columns per
+    # program and its warps; forward and backward apart (the backward holds two inputs per piece)
+    "coop_fwd": 1,
+    "coop_piece_fwd": 2048,
+    "coop_warps_fwd": 4,
+    "coop_bwd": 1,
+    "coop_piece_bwd": 4096,
+    "coop_warps_bwd": 8,
 }
 
 
@@ -346,9 +351,13 @@ def _fwd_coop_kernel(
     cols = k * PIECE + tl.arange(0, PIECE)
     cmask = cols < N
     offs = tl.arange(0, KB)
+    x_cols = _col_offsets(cols, sx_n, COL64)
+    x_next = tl.load(x_ptr + _row_start(slot, I, sx_o, sx_i) + x_cols, mask=cmask & (slot < R), other=float("-inf"))
     for row in range(slot, R, SLOTS):
-        xs = _row_start(row, I, sx_o, sx_i)
-        x = tl.load(x_ptr + xs + _col_offsets(cols, sx_n, COL64), mask=cmask, other=float("-inf")).to(tl.float32)
+        x = x_next.to(tl.float32)
+        # the next row's piece is requested now and arrives while this row waits for its other pieces
+        nxt = row + SLOTS
+        x_next = tl.load(x_ptr + _row_start(nxt, I, sx_o, sx_i) + x_cols, mask=cmask & (nxt < R), other=float("-inf"))
         m = tl.max(x, axis=0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         e = tl.exp2((x - m_safe) * LOG2E)
@@ -535,14 +544,15 @@ def _split(R: int, N: int, device: torch.device) -> tuple[int, int, int]:
     return triton.cdiv(N, piece), piece, chunk
 
 
-def _coop_plan(R: int, N: int, device: torch.device) -> tuple[int, int, int] | None:
-    """(pieces per row K, piece length, warps) for the cooperative kernels, or None where they do not
-    apply (CPU / the interpreter, knob off, or a row needing more programs than the GPU holds)."""
-    if device.type != "cuda" or not TUNING["coop"] or os.environ.get("TRITON_INTERPRET") == "1":
+def _coop_plan(N: int, device: torch.device, which: str) -> tuple[int, int, int] | None:
+    """(pieces per row K, piece length, warps) for the cooperative `which` ("fwd"/"bwd") kernel, or
+    None where it does not apply (CPU / the interpreter, knob off, a row of very many pieces)."""
+    if device.type != "cuda" or not TUNING[f"coop_{which}"] or os.environ.get("TRITON_INTERPRET") == "1":
         return None
-    piece = int(TUNING["coop_piece"])
+    piece = int(TUNING[f"coop_piece_{which}"])
     k = triton.cdiv(N, piece)
-    return (k, piece, int(TUNING["coop_warps"])) if k <= _num_sms(device) else None
+    # (whether all K programs of a row fit at once is `_coop_grid`'s question; this only bounds K)
+    return (k, piece, int(TUNING[f"coop_warps_{which}"])) if k <= 4 * _num_sms(device) else None
 
 
 _RESIDENT: dict[tuple, int] = {}
@@ -551,15 +561,16 @@ _RESIDENT: dict[tuple, int] = {}
 def _resident_programs(kernel, args: tuple, consts: dict, warps: int, device: torch.device) -> int:
     """How many programs of the compiled `kernel` the whole GPU holds at once (registers, threads,
     shared memory per SM), so that a cooperative grid never waits on a program that cannot start."""
-    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else id(kernel), tuple(sorted(consts.items())), warps, device.index)
+    # the specialisation key of the integer arguments: == 1, divisible by 16, or neither
+    spec = tuple((a == 1, a % 16 == 0) for a in args if isinstance(a, int))
+    dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+    key = (kernel.fn.__name__, tuple(sorted(consts.items())), spec, dtypes, warps, device.index)
     if key not in _RESIDENT:
         compiled = kernel.warmup(*args, grid=(1,), num_warps=warps, **consts)
         compiled._init_handles()
         props = torch.cuda.get_device_properties(device)
         threads = 32 * warps
-        # registers are allocated per warp in units of 256; + 8 per thread of margin, since the launch
-        # compiles its own specialisation of the integer arguments
-        regs_per_warp = -(-(compiled.n_regs + 8) * 32 // 256) * 256
+        regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256  # allocated per warp in units of 256
         by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
         by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
         smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
@@ -569,15 +580,21 @@ def _resident_programs(kernel, args: tuple, consts: dict, warps: int, device: to
 
 
 def _coop_grid(kernel, args: tuple, consts: dict, warps: int, R: int, K: int, device: torch.device) -> int | None:
-    """Rows in flight (SLOTS) for a cooperative launch of K programs per row, or None if one row's
-    programs cannot all be resident."""
+    """Rows in flight (SLOTS, the last argument) for a cooperative launch of K programs per row, or
+    None if one row's programs cannot all be resident. The occupancy is read off the very
+    specialisation that will run (integer arguments equal to 1 or divisible by 16 compile apart)."""
     slots = min(R, _resident_programs(kernel, args, consts, warps, device) // K)
-    return slots if slots >= 1 else None
+    while slots >= 1:
+        exact = min(R, _resident_programs(kernel, (*args[:-1], slots), consts, warps, device) // K)
+        if exact >= slots:
+            return slots
+        slots = exact
+    return None
 
 
 def _coop_forward(xm, ym, R: int, N: int, I: int, strides: tuple, mode: int, col64: bool) -> bool:
     """Run the cooperative forward if it applies; False otherwise (the caller takes another path)."""
-    plan = _coop_plan(R, N, xm.device)
+    plan = _coop_plan(N, xm.device, "fwd")
     if plan is None:
         return False
     K, piece, warps = plan
@@ -594,7 +611,7 @@ def _coop_forward(xm, ym, R: int, N: int, I: int, strides: tuple, mode: int, col
 
 
 def _coop_backward(ym, gm, dm, R: int, N: int, I: int, strides: tuple, log: bool, col64: bool) -> bool:
-    plan = _coop_plan(R, N, ym.device)
+    plan = _coop_plan(N, ym.device, "bwd")
     if plan is None:
         return False
     K, piece, warps = plan
