@@ -458,7 +458,7 @@ COOP_CASES = [  # rows, cols, dim, dtype: pieces of a row in registers, merged a
 def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, piece, warps):
     from ringlse.kernels import softmax as ks
 
-    knobs = {"max_row_block": 16, "max_row_block_bwd": 16}
+    knobs = {"max_row_block": 16, "max_row_block_bwd": 16, "coop_max_pieces": 1 << 20, "coop_min_rows": 1}
     for which in ("fwd", "bwd"):
         knobs.update({f"coop_{which}": 1, f"coop_piece_{which}": piece, f"coop_warps_{which}": warps})
     for key, value in knobs.items():
