@@ -154,7 +154,8 @@ def environment(world: int) -> dict:
         "command": "torchrun --nproc_per_node={} {}".format(world, " ".join(sys.argv)),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-        "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+        "nccl_env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL_"))},
+        "nccl_high_priority_streams": True,  # init_process_group(pg_options=ringlse.nccl_options())
     }
 
 

@@ -50,15 +50,15 @@ TUNING: dict[str, int | None] = {
     "max_row_block": 32768,  # forward: rows up to this many columns stay in registers
     "max_row_block_bwd": 16384,  # backward holds two rows (y and g), so half of that
     "tile": 4096,  # elements per program for short rows (several rows per program)
-    "chunk": 4096,  # columns per step of the long-row loops
-    "chunk_warps": 8,
+    "chunk": 8192,  # columns per step of the long-row loops
+    "chunk_warps": 16,
     "row_warps": None,  # None: chosen from the tile size
-    "split_rows": None,  # fewer rows than this split each row over programs; None: 2 x SMs
+    "split_rows": 1 << 30,  # fewer rows than this split each row over programs; None: 2 x SMs
     # long rows on a GPU: cooperative pieces held in registers (0: the two-pass paths), columns per
     # program and its warps; forward and backward apart (the backward holds two inputs per piece)
     "coop_fwd": 1,
-    "coop_piece_fwd": 2048,
-    "coop_warps_fwd": 4,
+    "coop_piece_fwd": 4096,
+    "coop_warps_fwd": 8,
     "coop_bwd": 1,
     "coop_piece_bwd": 4096,
     "coop_warps_bwd": 8,
