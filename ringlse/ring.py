@@ -108,10 +108,10 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
                 lse_grad=None if lse_grad is None else lse_grad[:, :, c.q0:c.q1],
             )
 
-    own_first, own_last = _split_rows(plans[0], q.shape[1] // 2)
     if comm.world == 1:
         attend(plans[0], kv_own, dkv_home)
         return dq, dkv_home[0], dkv_home[1]
+    own_first, own_last = _split_rows(plans[0], q.shape[1] // 2)
     kv_bufs = [torch.empty_like(kv_own) for _ in range(2)]
     kv_works = comm.exchange(kv_own, kv_bufs[1], _KV_TAG)
     attend(own_first, kv_own, dkv_home)
