@@ -75,7 +75,7 @@ TUNING: dict[str, int | None] = {
 @triton.jit
 def _row_start(rows, I, s_o, s_i):
     """Element offset (int64) of the first column of each row `rows` (row = o * I + i)."""
-    r = rows.to(tl.int64)
+    r = tl.cast(rows, tl.int64)  # (tl.cast: a loop index is a plain int under the interpreter)
     o = r // I
     return o * s_o + (r - o * I) * s_i
 
@@ -594,37 +594,23 @@ def _coop_grid(kernel, args: tuple, consts: dict, warps: int, R: int, K: int, de
     return None
 
 
-def _coop_forward(xm, ym, R: int, N: int, I: int, strides: tuple, mode: int, col64: bool) -> bool:
-    """Run the cooperative forward if it applies; False otherwise (the caller takes another path)."""
-    plan = _coop_plan(R, N, xm.device, "fwd")
+def _coop_launch(kernel, which: str, tensors: tuple, n_partials: int, R: int, N: int, I: int, strides: tuple,
+                 consts: dict) -> bool:
+    """Run a cooperative kernel (`which` = "fwd"/"bwd") over `tensors` with `n_partials` float32
+    `[R, K]` partial buffers if it applies; False otherwise (the caller takes another path)."""
+    device = tensors[0].device
+    plan = _coop_plan(R, N, device, which)
     if plan is None:
         return False
     K, piece, warps = plan
-    pm = torch.empty((R, K), dtype=torch.float32, device=xm.device)
-    ps = torch.empty_like(pm)
-    cnt = torch.zeros(R, dtype=torch.int32, device=xm.device)  # pieces published, per row
-    consts = dict(MODE=mode, PIECE=piece, KB=triton.next_power_of_2(K), COL64=col64)
-    args = (xm, ym, pm, ps, cnt, R, N, I, *strides, K, 3)  # (3: a placeholder for SLOTS)
-    slots = _coop_grid(_fwd_coop_kernel, args, consts, warps, R, K, xm.device)
+    partials = [torch.empty((R, K), dtype=torch.float32, device=device) for _ in range(n_partials)]
+    cnt = torch.zeros(R, dtype=torch.int32, device=device)  # pieces published, per row
+    consts = dict(consts, PIECE=piece, KB=triton.next_power_of_2(K))
+    args = (*tensors, *partials, cnt, R, N, I, *strides, K, 3)  # (3: a placeholder for SLOTS)
+    slots = _coop_grid(kernel, args, consts, warps, R, K, device)
     if slots is None:
         return False
-    _fwd_coop_kernel[(slots * K,)](*args[:-1], slots, num_warps=warps, **consts)
-    return True
-
-
-def _coop_backward(ym, gm, dm, R: int, N: int, I: int, strides: tuple, log: bool, col64: bool) -> bool:
-    plan = _coop_plan(R, N, ym.device, "bwd")
-    if plan is None:
-        return False
-    K, piece, warps = plan
-    part = torch.empty((R, K), dtype=torch.float32, device=ym.device)
-    cnt = torch.zeros(R, dtype=torch.int32, device=ym.device)
-    consts = dict(LOG=log, PIECE=piece, KB=triton.next_power_of_2(K), COL64=col64)
-    args = (ym, gm, dm, part, cnt, R, N, I, *strides, K, 3)
-    slots = _coop_grid(_bwd_coop_kernel, args, consts, warps, R, K, ym.device)
-    if slots is None:
-        return False
-    _bwd_coop_kernel[(slots * K,)](*args[:-1], slots, num_warps=warps, **consts)
+    kernel[(slots * K,)](*args[:-1], slots, num_warps=warps, **consts)
     return True
 
 
@@ -660,7 +646,8 @@ def softmax_forward(
             xm, ym, xm, R, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n,
             MODE=mode, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
         )
-    elif _coop_forward(xm, ym, R, N, I, (sx_o, sx_i, sx_n, sy_o, sy_i, sy_n), mode, col64):
+    elif _coop_launch(_fwd_coop_kernel, "fwd", (xm, ym), 2, R, N, I, (sx_o, sx_i, sx_n, sy_o, sy_i, sy_n),
+                      dict(MODE=mode, COL64=col64)):
         pass
     else:
         n_pieces, piece, chunk = _split(R, N, x.device)
@@ -772,7 +759,8 @@ def softmax_backward(
             ym, gm, dm, R, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n,
             LOG=log, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
         )
-    elif _coop_backward(ym, gm, dm, R, N, I, (sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n), log, col64):
+    elif _coop_launch(_bwd_coop_kernel, "bwd", (ym, gm, dm), 1, R, N, I,
+                      (sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n), dict(LOG=log, COL64=col64)):
         pass
     else:
         n_pieces, piece, chunk = _split(R, N, y.device)

@@ -342,6 +342,21 @@ def test_kernel_non_foldable_layout_and_all_neginf(kernels):
     assert torch.all(kernels.logsumexp_backward(z, kernels.logsumexp_forward(z), torch.ones(2)) == 0)
 
 
+@pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
+def test_kernel_cooperative_one_piece_per_row(kernels, monkeypatch, mode):
+    """The cooperative kernels under the interpreter: with one piece per row a program waits only on
+    itself (more pieces would wait on programs the interpreter has not run yet; the GPU tests cover
+    those). Rows are spread over 3 programs, strided columns included."""
+    monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which: (1, 1 << (N - 1).bit_length(), 4))
+    monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: min(R, 3))
+    monkeypatch.setitem(kernels.TUNING, "max_row_block", 16)
+    monkeypatch.setitem(kernels.TUNING, "max_row_block_bwd", 16)
+    x = make_x((7, 45, 3), 1, torch.float32, scale=3.0, seed=17)
+    judge_against("fwd", kernel_forward(kernels, mode, x, 1), x, 1, mode, torch.float32)
+    g = torch.randn(x.shape)
+    judge_against("dx", kernel_backward(kernels, mode, x, g, 1), x, 1, mode, torch.float32, g=g)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_autograd_vs_float64(kernels, mode):
     """Gradients through the kernels' autograd Functions against float64 (float32: §7 bound rather
@@ -464,17 +479,8 @@ def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, pi
     for key, value in knobs.items():
         monkeypatch.setitem(ks.TUNING, key, value)
     ran = []
-
-    def spy(name):
-        inner = getattr(ks, name)
-
-        def wrapped(*args):
-            ran.append(inner(*args))
-            return ran[-1]
-        monkeypatch.setattr(ks, name, wrapped)
-
-    spy("_coop_forward")
-    spy("_coop_backward")
+    launch = ks._coop_launch
+    monkeypatch.setattr(ks, "_coop_launch", lambda *args: ran.append(launch(*args)) or ran[-1])
     shape = (rows, cols) if dim == -1 else (cols, rows)
     x = make_x(shape, dim, dtype, scale=3.0, seed=16, device="cuda")  # with all -inf rows
     y = ks.softmax_forward(x, dim, log=mode == "log_softmax")
