@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ringlse.reference import lse_dtype
+
 
 @dataclass(frozen=True)
 class BlockOp:
@@ -58,7 +60,7 @@ class BlockOp:
         compute `ds = p * (dp - delta + g_lse)` without knowing about it.
         """
         dout = torch.zeros_like(out) if g_out is None else g_out.contiguous()
-        lse_grad = None if g_lse is None else g_lse.to(torch.float64 if out.dtype == torch.float64 else torch.float32)
+        lse_grad = None if g_lse is None else g_lse.to(lse_dtype(out.dtype))
         if not self.uses_delta:
             return dout, None, lse_grad
         delta = self.compute_delta(dout, out)
@@ -69,5 +71,5 @@ class BlockOp:
 
 def torch_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`rowsum(dout * out)`: `[b, s, h, d]` x2 -> `[b, h, s]`, float32 (float64 for float64)."""
-    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    acc = lse_dtype(out.dtype)
     return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
