@@ -188,6 +188,8 @@ def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
     return them with the sweep's records: the main measurements then run with the winners."""
     log = []
     chosen = {}
+    # the base paths first; the cooperative and look-back forms are then compared with their winners
+    ks.TUNING.update(coop_fwd=0, coop_bwd=0, lookback_fwd=0, lookback_bwd=0)
 
     def pick(group, variants, cases, what):
         recs = [_time_knobs(k, cases, what) for k in variants]
@@ -203,13 +205,22 @@ def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
          long, "fwd")
     pick("split threshold (fwd)", [{"split_rows": v} for v in (None, 64, 1 << 30)], long[:2], "fwd")
     if coop:  # last: the other knobs are what it is compared with
-        coop_cases = [(TOTAL // 65536, 65536), (TOTAL // 131072, 131072), (TOTAL >> 20, 1 << 20), (4, 1 << 20),
-                      (8, 131072)]
+        # rows it applies to (>= coop_min_rows): few-row cases would only add their timing noise
+        coop_cases = [(TOTAL // 65536, 65536), (TOTAL // 131072, 131072), (TOTAL >> 20, 1 << 20)]
         for which in ("fwd", "bwd"):
             pick(f"cooperative long rows ({which})",
                  [{f"coop_{which}": 0}] + [{f"coop_{which}": 1, f"coop_piece_{which}": p, f"coop_warps_{which}": w}
-                                          for p, w in ((1024, 4), (2048, 4), (4096, 8))],
+                                          for p, w in ((1024, 4), (2048, 4), (4096, 8), (8192, 8))],
                  coop_cases, which)
+    long_fwd = [(TOTAL // 65536, 65536), (TOTAL // 131072, 131072), (TOTAL >> 20, 1 << 20), (4, 1 << 20),
+                (8, 131072)]
+    pick("look-back long rows (fwd)",
+         [{"lookback_fwd": 0}] + [{"lookback_fwd": 1, "lb_piece": p, "lb_block": b, "lb_warps": w, "lb_group_bytes": g}
+                                  for p, b, w, g in ((8192, 2048, 8, 4 << 20), (8192, 4096, 8, 4 << 20),
+                                                     (16384, 4096, 16, 4 << 20), (4096, 2048, 4, 4 << 20),
+                                                     (8192, 2048, 8, 1 << 20), (8192, 2048, 8, 16 << 20))],
+         long_fwd, "fwd")
+    pick("look-back long rows (bwd)", [{"lookback_bwd": 0}, {"lookback_bwd": 1}], long_fwd, "bwd")
     bmid = [(TOTAL // 8192, 8192), (TOTAL // 16384, 16384)]
     pick("row block (bwd)", [{"max_row_block_bwd": v} for v in (4096, 8192, 16384)], bmid, "bwd")
     return chosen, log

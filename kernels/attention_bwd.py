@@ -29,6 +29,7 @@ from ringlse.kernels.attention_fwd import (
     last_dim_contiguous,
     launch_with_fallback,
 )
+from ringlse.kernels.host import cdiv
 from ringlse.positions import BlockKind, block_kind
 
 
@@ -330,7 +331,7 @@ def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if delta.numel() == 0:
         return delta
     block_m = 32 if interpreting() else 64
-    grid = (triton.cdiv(s, block_m), b * h)
+    grid = (cdiv(s, block_m), b * h)
     _delta_kernel[grid](
         dout, out, delta,
         dout.stride(0), dout.stride(1), dout.stride(2),
@@ -361,7 +362,7 @@ def _backward_impl(
     bd = block_d(d)
 
     def launch_dkdv(cfg: BwdConfig) -> None:
-        grid = (triton.cdiv(sk, cfg.kv_block_n), b * hkv)
+        grid = (cdiv(sk, cfg.kv_block_n), b * hkv)
         _attn_bwd_dkdv_kernel[grid](
             q, k, v, dout, lse, delta, dk_acc, dv_acc,
             q.stride(0), q.stride(1), q.stride(2),
@@ -378,7 +379,7 @@ def _backward_impl(
         )
 
     def launch_dq(cfg: BwdConfig) -> None:
-        grid = (triton.cdiv(sq, cfg.q_block_m), b * h)
+        grid = (cdiv(sq, cfg.q_block_m), b * h)
         _attn_bwd_dq_kernel[grid](
             q, k, v, dout, lse, delta, dq_acc,
             q.stride(0), q.stride(1), q.stride(2),

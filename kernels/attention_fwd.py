@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ringlse.kernels.host import cdiv, next_power_of_2
 from ringlse.positions import BlockKind, block_kind
 
 LOG2E = 1.4426950408889634
@@ -195,7 +196,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def block_d(head_dim: int) -> int:
     """The padded head dim a kernel tile uses: a power of two >= 16 (dots need K >= 16)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 # configs chosen by timing on the GPU at hand (benchmarks/block_attention.py --sweep sets them):
@@ -314,7 +315,7 @@ def _forward_impl(
     qk_scale = softmax_scale * LOG2E
 
     def launch(cfg: FwdConfig) -> None:
-        grid = (triton.cdiv(sq, cfg.block_m), b * h)
+        grid = (cdiv(sq, cfg.block_m), b * h)
         _attn_fwd_kernel[grid](
             q, k, v, out, lse,
             q.stride(0), q.stride(1), q.stride(2),

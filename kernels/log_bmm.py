@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ringlse.kernels.host import cdiv
+
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -194,8 +196,8 @@ def log_bmm_forward(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | Non
     # the k loop reads a column of a (a k-major copy makes it contiguous) and a row of b (padded to
     # the tile's columns so that its 16-byte loads need no mask)
     at = a.transpose(1, 2).to(torch.float32).contiguous()
-    bp = _padded_f32(b, triton.cdiv(P, by) * by)
-    grid = (triton.cdiv(N, bx), triton.cdiv(P, by), B)
+    bp = _padded_f32(b, cdiv(P, by) * by)
+    grid = (cdiv(N, bx), cdiv(P, by), B)
     _log_bmm_fwd_kernel[grid](
         at, bp, out, N, M, P, at.stride(0), at.stride(1), bp.stride(0), bp.stride(1), out.stride(0), out.stride(1),
         YR=vecs, NUM_WARPS=warps, UNROLL=int(TUNING["fwd_unroll"]), num_warps=warps,
@@ -215,10 +217,10 @@ def _grad(x: torch.Tensor, v: torch.Tensor, o: torch.Tensor, g: torch.Tensor) ->
     warps, vecs = _warps_vecs("bwd")
     bx, by = 32 * warps, _VEC * vecs
     x = x.to(torch.float32).contiguous()
-    v = _padded_f32(v, triton.cdiv(Y, by) * by)
+    v = _padded_f32(v, cdiv(Y, by) * by)
     o = o.to(torch.float32).contiguous()
     g = g.to(torch.float32).contiguous()
-    _log_bmm_grad_kernel[(triton.cdiv(X, bx), triton.cdiv(Y, by), B)](
+    _log_bmm_grad_kernel[(cdiv(X, bx), cdiv(Y, by), B)](
         x, v, o, g, d, X, Y, S, x.stride(0), x.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         d.stride(0), d.stride(1), YR=vecs, NUM_WARPS=warps, UNROLL=int(TUNING["bwd_unroll"]), num_warps=warps,
     )

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ringlse.kernels.host import cdiv, next_power_of_2
+
 # states merged by one launch; merge_states chains launches for more
 MAX_STATES_PER_LAUNCH = 4
 
@@ -149,7 +151,7 @@ def default_config(head_dim: int, n_states: int) -> tuple[int, int]:
     About 4K elements per state per program keeps enough bytes in flight per SM for a streaming kernel
     without spilling registers (each program holds one fp32 tile per state).
     """
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     target = 4096 if n_states <= 2 else 2048
     block_rows = max(1, target // block_d)
     return block_rows, (8 if block_rows * block_d >= 4096 else 4)
@@ -184,14 +186,14 @@ def _launch(
     o_strides = [st for x in o_args for st in (x.stride(0), x.stride(1), x.stride(2))]
     l_strides = [st for x in l_args for st in (x.stride(0), x.stride(1), x.stride(2))]
     in_place = any(_shares_memory(dst, src) for dst in (out, lse) for src in (*outs, *lses))
-    grid = (triton.cdiv(n_rows, block_rows), batch)
+    grid = (cdiv(n_rows, block_rows), batch)
     _merge_states_kernel[grid](
         *o_args, *l_args, out4, lse4,
         nheads, n_rows,
         *o_strides, *l_strides,
         out4.stride(0), out4.stride(1), out4.stride(2),
         lse4.stride(0), lse4.stride(1), lse4.stride(2),
-        N=n, D=head_dim, BLOCK_R=block_rows, BLOCK_D=triton.next_power_of_2(head_dim),
+        N=n, D=head_dim, BLOCK_R=block_rows, BLOCK_D=next_power_of_2(head_dim),
         IN_PLACE=in_place, num_warps=num_warps,
     )
 

@@ -12,8 +12,8 @@ Three row regimes, chosen by `_plan`:
   rescaled sum per lane (one read, no block-wide reduction inside the loop), pass 2 normalises and
   writes, walking the row backwards so that the chunks pass 1 read last are re-read while still in L2;
 - long rows, few of them: each row is split into pieces over several programs; a stats kernel writes
-  one `(max, sum)` per piece and the normalising kernel (or, for logsumexp, a tiny combine kernel)
-  merges them.
+  one `(max, sum)` per piece and the normalising kernel merges them (logsumexp: the piece that
+  finishes last merges them, in the same launch).
 - long rows on a GPU (softmax, log_softmax and their backward; `TUNING["coop_*"]`): the two-pass forms
   read each element twice from memory once the rows in flight outgrow L2 (3 bytes moved per 2 needed,
   at most 2/3 of copy bandwidth). The cooperative kernel keeps each piece of a row in registers
@@ -30,11 +30,14 @@ or backward.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ringlse.kernels.host import cdiv, next_power_of_2
 
 # constexpr globals: the only kind a @triton.jit function may read
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -63,6 +66,16 @@ TUNING: dict[str, int | None] = {
     "coop_piece_bwd": 4096,
     "coop_warps_bwd": 8,
     "coop_max_pieces": 64,
+    # long rows in one launch, stats and normalising programs interleaved (`_fwd_lookback_kernel`,
+    # `_bwd_lookback_kernel`; where the cooperative kernels do not apply): on/off, columns per program,
+    # per chunk, warps, most pieces per row, bytes per group of rows
+    "lookback_fwd": 1,
+    "lookback_bwd": 1,
+    "lb_piece": 8192,
+    "lb_block": 2048,
+    "lb_warps": 8,
+    "lb_max_pieces": 256,
+    "lb_group_bytes": 4 << 20,
     "coop_min_rows": 64,
 }
 
@@ -159,31 +172,38 @@ def _fwd_rows_kernel(
 
 @triton.jit
 def _fwd_stats_kernel(
-    x_ptr, pm_ptr, ps_ptr, lse_ptr, N, I, sx_o, sx_i, sx_n, PIECE, NP,
-    WRITE_LSE: tl.constexpr, BLOCK_N: tl.constexpr, COL64: tl.constexpr,
+    x_ptr, pm_ptr, ps_ptr, lse_ptr, cnt_ptr, N, I, sx_o, sx_i, sx_n, PIECE, NP,
+    OUT: tl.constexpr, NP_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, COL64: tl.constexpr,
 ):
-    """(max, sum) of piece `program_id(1)` of row `program_id(0)`; with one piece, the row's lse."""
+    """(max, sum) of piece `program_id(1)` of row `program_id(0)`.
+
+    OUT = 0: store the piece's partials (the normalising kernel merges them); 1: the row is one piece,
+    store its lse; 2 (a split logsumexp in one launch): store the partials, and the piece that arrives
+    last at the row's counter merges them into the lse and resets the counter to 0 for the next call.
+    No program waits for another, so any grid size is safe.
+    """
     row = tl.program_id(0)
     p = tl.program_id(1)
     start = _row_start(row, I, sx_o, sx_i)
     c0 = p * PIECE
     M, S = _piece_stats(x_ptr, start, c0, tl.minimum(c0 + PIECE, N), sx_n, BLOCK_N, COL64)
-    if WRITE_LSE:
+    if OUT == 1:
         tl.store(lse_ptr + row, tl.where(M == float("-inf"), 0.0, M) + tl.log2(S) * LN2)
     else:
         tl.store(pm_ptr + row * NP + p, M)
         tl.store(ps_ptr + row * NP + p, S)
-
-
-@triton.jit
-def _lse_combine_kernel(pm_ptr, ps_ptr, lse_ptr, NP, NP_BLOCK: tl.constexpr):
-    """Second stage of a split logsumexp: merge the NP per-piece (max, sum) of one row."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, NP_BLOCK)
-    pm = tl.load(pm_ptr + row * NP + offs, mask=offs < NP, other=float("-inf"))
-    ps = tl.load(ps_ptr + row * NP + offs, mask=offs < NP, other=0.0)
-    M, S = _merge_lanes(pm, ps)
-    tl.store(lse_ptr + row, tl.where(M == float("-inf"), 0.0, M) + tl.log2(S) * LN2)
+    if OUT == 2:
+        # release: this piece's partials are visible before its count; acquire: the last arriver sees
+        # every piece's partials (each was released before its count)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if arrived == NP - 1:
+            offs = tl.arange(0, NP_BLOCK)
+            pm = tl.load(pm_ptr + row * NP + offs, mask=offs < NP, other=float("-inf"), cache_modifier=".cg")
+            ps = tl.load(ps_ptr + row * NP + offs, mask=offs < NP, other=0.0, cache_modifier=".cg")
+            M, S = _merge_lanes(pm, ps)
+            tl.store(lse_ptr + row, tl.where(M == float("-inf"), 0.0, M) + tl.log2(S) * LN2)
+            tl.atomic_xchg(cnt_ptr + row, 0)
 
 
 @triton.jit
@@ -210,11 +230,20 @@ def _fwd_long_kernel(
         pm = tl.load(pm_ptr + row * NP + offs, mask=offs < NP, other=float("-inf"))
         ps = tl.load(ps_ptr + row * NP + offs, mask=offs < NP, other=0.0)
         M, S = _merge_lanes(pm, ps)
+    c0 = p * PIECE
+    _normalise_piece(x_ptr, y_ptr, xs, ys, c0, tl.minimum(c0 + PIECE, N), sx_n, sy_n, M, S, MODE, BLOCK_N, COL64)
+
+
+@triton.jit
+def _normalise_piece(x_ptr, y_ptr, xs, ys, c0, c1, sx_n, sy_n, M, S,
+                     MODE: tl.constexpr, BLOCK_N: tl.constexpr, COL64: tl.constexpr):
+    """Write softmax (MODE 0) or log_softmax of columns [c0, c1) of a row whose stats are (M, S).
+
+    Walks the piece backwards: a stats pass read the last chunks most recently, so they are the
+    likeliest to still be in L2."""
     M = tl.where(M == float("-inf"), 0.0, M)
     inv = tl.where(S > 0.0, 1.0 / S, 0.0)
     lse = tl.where(S > 0.0, M + tl.log2(S) * LN2, 0.0)  # 0 for an all -inf row keeps x - lse = -inf
-    c0 = p * PIECE
-    c1 = tl.minimum(c0 + PIECE, N)
     n_chunks = tl.cdiv(c1 - c0, BLOCK_N)
     cols = tl.arange(0, BLOCK_N)
     for i in range(0, n_chunks):
@@ -307,7 +336,14 @@ def _bwd_long_kernel(
         offs = tl.arange(0, NP_BLOCK)
         total = tl.sum(tl.load(part_ptr + row * NP + offs, mask=offs < NP, other=0.0), axis=0)
     c0 = p * PIECE
-    c1 = tl.minimum(c0 + PIECE, N)
+    _bwd_write_piece(y_ptr, g_ptr, dx_ptr, ystart, gstart, dstart, c0, tl.minimum(c0 + PIECE, N), sy_n, sg_n, sd_n,
+                     total, LOG, BLOCK_N, COL64)
+
+
+@triton.jit
+def _bwd_write_piece(y_ptr, g_ptr, dx_ptr, ystart, gstart, dstart, c0, c1, sy_n, sg_n, sd_n, total,
+                     LOG: tl.constexpr, BLOCK_N: tl.constexpr, COL64: tl.constexpr):
+    """dx of columns [c0, c1) from the row sum `total`, walking backwards as the forward does."""
     n_chunks = tl.cdiv(c1 - c0, BLOCK_N)
     cols = tl.arange(0, BLOCK_N)
     y_other = float("-inf") if LOG else 0.0
@@ -324,6 +360,110 @@ def _bwd_long_kernel(
 
 
 @triton.jit
+def _lookback_phase(pid, per_phase, N_GROUPS):
+    """(is_stats, group, index in the phase) of program `pid` of a look-back launch.
+
+    Phases of `per_phase` programs: stats of group 0, stats of group 1, normalise group 0, stats of
+    group 2, normalise group 1, ..., normalise the last group."""
+    j = pid // per_phase
+    half = (j + 1) // 2
+    is_stats = (j == 0) | ((j % 2 == 1) & (half < N_GROUPS))
+    group = tl.where(is_stats, half, tl.where(j % 2 == 0, j // 2 - 1, N_GROUPS - 1))
+    return is_stats, group, pid - j * per_phase
+
+
+@triton.jit
+def _count_piece(cnt_ptr, row):
+    tl.debug_barrier()  # every thread's partial stores before the count (release)
+    tl.atomic_add(cnt_ptr + row, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _await_pieces(cnt_ptr, row, K):
+    seen = tl.atomic_add(cnt_ptr + row, 0, sem="acquire", scope="gpu")
+    while seen < K:
+        seen = tl.atomic_add(cnt_ptr + row, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _release_row(cnt_ptr, row, R, K):
+    """The last normaliser of a row (all are past their wait) leaves its two counters at 0."""
+    done = tl.atomic_add(cnt_ptr + R + row, 1, scope="gpu")
+    if done == K - 1:
+        tl.atomic_xchg(cnt_ptr + row, 0, scope="gpu")
+        tl.atomic_xchg(cnt_ptr + R + row, 0, scope="gpu")
+
+
+@triton.jit
+def _fwd_lookback_kernel(
+    x_ptr, y_ptr, pm_ptr, ps_ptr, cnt_ptr, R, N, I,
+    sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, PIECE, K, GROUP_ROWS, N_GROUPS,
+    MODE: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr, COL64: tl.constexpr,
+):
+    """Long rows in one launch, stats and normalising programs interleaved by groups of rows.
+
+    Programs come in phases of `GROUP_ROWS * K` (K pieces per row, see `_lookback_phase`). A stats
+    program publishes its piece's `(max, sum)` and counts it on the row's counter; a normalising
+    program waits for the row's K counts, merges, and re-reads its piece, which a stats program read
+    shortly before, so that it is likely to come from L2. A program only ever waits on programs with
+    smaller ids, which the GPU dispatched before it and which wait on nothing, so the wait always ends
+    (the forward-progress argument of decoupled look-back scans); the interpreter runs programs in id
+    order and never waits at all. One launch, whatever the number of rows: few long rows pay one
+    launch's host time, not two.
+    """
+    is_stats, group, q = _lookback_phase(tl.program_id(0), GROUP_ROWS * K, N_GROUPS)
+    row = group * GROUP_ROWS + q // K
+    p = q % K
+    if row < R:
+        xs = _row_start(row, I, sx_o, sx_i)
+        c0 = p * PIECE
+        c1 = tl.minimum(c0 + PIECE, N)
+        if is_stats:
+            M, S = _piece_stats(x_ptr, xs, c0, c1, sx_n, BLOCK_N, COL64)
+            tl.store(pm_ptr + row * K + p, M)
+            tl.store(ps_ptr + row * K + p, S)
+            _count_piece(cnt_ptr, row)
+        else:
+            _await_pieces(cnt_ptr, row, K)
+            offs = tl.arange(0, KB)
+            pm = tl.load(pm_ptr + row * K + offs, mask=offs < K, other=float("-inf"), cache_modifier=".cg")
+            ps = tl.load(ps_ptr + row * K + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
+            M, S = _merge_lanes(pm, ps)
+            _normalise_piece(x_ptr, y_ptr, xs, _row_start(row, I, sy_o, sy_i), c0, c1, sx_n, sy_n, M, S,
+                             MODE, BLOCK_N, COL64)
+            _release_row(cnt_ptr, row, R, K)
+
+
+@triton.jit
+def _bwd_lookback_kernel(
+    y_ptr, g_ptr, dx_ptr, part_ptr, cnt_ptr, R, N, I,
+    sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n, PIECE, K, GROUP_ROWS, N_GROUPS,
+    LOG: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr, COL64: tl.constexpr,
+):
+    """The backward in the look-back form: stats programs publish their piece of the row sum
+    (sum(g * y), or sum(g) for log_softmax), normalising programs re-read y and g and write dx."""
+    is_stats, group, q = _lookback_phase(tl.program_id(0), GROUP_ROWS * K, N_GROUPS)
+    row = group * GROUP_ROWS + q // K
+    p = q % K
+    if row < R:
+        ystart = _row_start(row, I, sy_o, sy_i)
+        gstart = _row_start(row, I, sg_o, sg_i)
+        c0 = p * PIECE
+        c1 = tl.minimum(c0 + PIECE, N)
+        if is_stats:
+            tl.store(part_ptr + row * K + p,
+                     _bwd_piece_sum(y_ptr, g_ptr, ystart, gstart, c0, c1, sy_n, sg_n, LOG, BLOCK_N, COL64))
+            _count_piece(cnt_ptr, row)
+        else:
+            _await_pieces(cnt_ptr, row, K)
+            offs = tl.arange(0, KB)
+            total = tl.sum(tl.load(part_ptr + row * K + offs, mask=offs < K, other=0.0, cache_modifier=".cg"), axis=0)
+            _bwd_write_piece(y_ptr, g_ptr, dx_ptr, ystart, gstart, _row_start(row, I, sd_o, sd_i), c0, c1,
+                             sy_n, sg_n, sd_n, total, LOG, BLOCK_N, COL64)
+            _release_row(cnt_ptr, row, R, K)
+
+
+@triton.jit
 def _wait_for_pieces(cnt_ptr, row, K):
     """Count this program's piece of `row` as published, then spin until all K pieces of the row are.
 
@@ -331,11 +471,8 @@ def _wait_for_pieces(cnt_ptr, row, K):
     one thread and hands its result to all, so each program adds exactly 1 and all its threads leave
     the loop together. One counter per row: polling K flags from K programs each made the atomics
     queue on the same L2 lines (4-8x slower rows in the first measurement)."""
-    tl.debug_barrier()
-    tl.atomic_add(cnt_ptr + row, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(cnt_ptr + row, 0, sem="acquire", scope="gpu")
-    while seen < K:
-        seen = tl.atomic_add(cnt_ptr + row, 0, sem="acquire", scope="gpu")
+    _count_piece(cnt_ptr, row)
+    _await_pieces(cnt_ptr, row, K)
 
 
 @triton.jit
@@ -356,6 +493,7 @@ def _fwd_coop_kernel(
     for row in range(slot, R, SLOTS):
         x = x_next.to(tl.float32)
         # the next row's piece is requested now and arrives while this row waits for its other pieces
+        # (measured: requesting two rows ahead was slower, 0.55-0.72x copy against 0.71-0.77x)
         nxt = row + SLOTS
         x_next = tl.load(x_ptr + _row_start(nxt, I, sx_o, sx_i) + x_cols, mask=cmask & (nxt < R), other=float("-inf"))
         m = tl.max(x, axis=0)
@@ -447,10 +585,31 @@ def _check(x: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what}: the Triton kernels take float32/float16/bfloat16, got {x.dtype}")
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
+    # cached: reading the device properties costs more host time than a small softmax's kernels
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter: any small number exercises the same paths
+
+
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _row_counters(device: torch.device, R: int) -> torch.Tensor:
+    """At least `R` int32 counters that are 0 now; the kernel that uses them leaves them 0 again.
+
+    On a GPU they are kept per stream and reused, which saves a fill launch per call (host time is
+    what small inputs pay for); kernels on one stream run in order, so they never share counters
+    with a kernel in flight. Under graph capture, or on CPU, they are fresh zeros.
+    """
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(R, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < R:
+        buf = _COUNTERS[key] = torch.zeros(max(R, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 def _fold_rows(t: torch.Tensor) -> tuple[int, int, int, int, int] | None:
@@ -526,8 +685,8 @@ def _row_warps(tile: int) -> int:
 
 def _short_tile(R: int, N: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_N) for rows held whole in registers."""
-    block_n = triton.next_power_of_2(N)
-    block_r = max(1, min(int(TUNING["tile"]) // block_n, triton.next_power_of_2(R)))
+    block_n = next_power_of_2(N)
+    block_r = max(1, min(int(TUNING["tile"]) // block_n, next_power_of_2(R)))
     return block_r, block_n
 
 
@@ -536,12 +695,12 @@ def _split(R: int, N: int, device: torch.device) -> tuple[int, int, int]:
     chunk = int(TUNING["chunk"])
     sms = _num_sms(device)
     split_rows = TUNING["split_rows"] if TUNING["split_rows"] is not None else 2 * sms
-    n_chunks = triton.cdiv(N, chunk)
+    n_chunks = cdiv(N, chunk)
     pieces = 1
     if R < split_rows:
-        pieces = max(1, min(n_chunks, triton.cdiv(4 * sms, R), 4096))
-    piece = triton.cdiv(n_chunks, pieces) * chunk
-    return triton.cdiv(N, piece), piece, chunk
+        pieces = max(1, min(n_chunks, cdiv(4 * sms, R), 4096))
+    piece = cdiv(n_chunks, pieces) * chunk
+    return cdiv(N, piece), piece, chunk
 
 
 def _coop_plan(R: int, N: int, device: torch.device, which: str) -> tuple[int, int, int] | None:
@@ -550,7 +709,7 @@ def _coop_plan(R: int, N: int, device: torch.device, which: str) -> tuple[int, i
     if device.type != "cuda" or not TUNING[f"coop_{which}"] or os.environ.get("TRITON_INTERPRET") == "1":
         return None
     piece = int(TUNING[f"coop_piece_{which}"])
-    k = triton.cdiv(N, piece)
+    k = cdiv(N, piece)
     # measured (lse_toolkit-nvidia-h200.json, variants): a row of more pieces, or too few rows to keep
     # every program busy, spends longer waiting on the row's counter than it saves in memory traffic
     ok = k <= int(TUNING["coop_max_pieces"]) and R >= int(TUNING["coop_min_rows"])
@@ -605,12 +764,32 @@ def _coop_launch(kernel, which: str, tensors: tuple, n_partials: int, R: int, N:
     K, piece, warps = plan
     partials = [torch.empty((R, K), dtype=torch.float32, device=device) for _ in range(n_partials)]
     cnt = torch.zeros(R, dtype=torch.int32, device=device)  # pieces published, per row
-    consts = dict(consts, PIECE=piece, KB=triton.next_power_of_2(K))
+    consts = dict(consts, PIECE=piece, KB=next_power_of_2(K))
     args = (*tensors, *partials, cnt, R, N, I, *strides, K, 3)  # (3: a placeholder for SLOTS)
     slots = _coop_grid(kernel, args, consts, warps, R, K, device)
     if slots is None:
         return False
     kernel[(slots * K,)](*args[:-1], slots, num_warps=warps, **consts)
+    return True
+
+
+def _lookback_launch(kernel, which: str, tensors: tuple, n_partials: int, R: int, N: int, I: int,
+                     strides: tuple, consts: dict) -> bool:
+    """Run a look-back kernel (`which` = "fwd"/"bwd") over `tensors` with `n_partials` float32 `[R, K]`
+    partial buffers if the knob is on; False otherwise (the caller takes another path)."""
+    if not TUNING[f"lookback_{which}"]:
+        return False
+    block = int(TUNING["lb_block"])
+    piece = cdiv(max(int(TUNING["lb_piece"]), cdiv(N, int(TUNING["lb_max_pieces"]))), block) * block
+    K = cdiv(N, piece)
+    group_rows = max(1, min(R, int(TUNING["lb_group_bytes"]) // (N * tensors[0].element_size())))
+    n_groups = cdiv(R, group_rows)
+    device = tensors[0].device
+    partials = torch.empty((n_partials, R, K), dtype=torch.float32, device=device).unbind(0)
+    kernel[(2 * n_groups * group_rows * K,)](
+        *tensors, *partials, _row_counters(device, 2 * R), R, N, I, *strides, piece, K, group_rows, n_groups,
+        KB=next_power_of_2(K), BLOCK_N=block, num_warps=int(TUNING["lb_warps"]), **consts,
+    )
     return True
 
 
@@ -642,27 +821,29 @@ def softmax_forward(
     col64 = _col64(N, sx_n, sy_n)
     if N <= int(TUNING["max_row_block"]):
         block_r, block_n = _short_tile(R, N)
-        _fwd_rows_kernel[(triton.cdiv(R, block_r),)](
+        _fwd_rows_kernel[(cdiv(R, block_r),)](
             xm, ym, xm, R, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n,
             MODE=mode, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
         )
     elif _coop_launch(_fwd_coop_kernel, "fwd", (xm, ym), 2, R, N, I, (sx_o, sx_i, sx_n, sy_o, sy_i, sy_n),
                       dict(MODE=mode, COL64=col64)):
         pass
+    elif _lookback_launch(_fwd_lookback_kernel, "fwd", (xm, ym), 2, R, N, I, (sx_o, sx_i, sx_n, sy_o, sy_i, sy_n),
+                          dict(MODE=mode, COL64=col64)):
+        pass
     else:
         n_pieces, piece, chunk = _split(R, N, x.device)
         warps = int(TUNING["chunk_warps"])
         pm = ps = xm  # unused placeholders when fused
         if n_pieces > 1:
-            pm = torch.empty((R, n_pieces), dtype=torch.float32, device=x.device)
-            ps = torch.empty_like(pm)
+            pm, ps = torch.empty((2, R, n_pieces), dtype=torch.float32, device=x.device).unbind(0)
             _fwd_stats_kernel[(R, n_pieces)](
-                xm, pm, ps, pm, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
-                WRITE_LSE=False, BLOCK_N=chunk, COL64=col64, num_warps=warps,
+                xm, pm, ps, pm, pm, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
+                OUT=0, NP_BLOCK=1, BLOCK_N=chunk, COL64=col64, num_warps=warps,
             )
         _fwd_long_kernel[(R, n_pieces)](
             xm, ym, pm, ps, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, piece, n_pieces,
-            MODE=mode, FUSED=n_pieces == 1, NP_BLOCK=triton.next_power_of_2(n_pieces), BLOCK_N=chunk,
+            MODE=mode, FUSED=n_pieces == 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk,
             COL64=col64, num_warps=warps,
         )
     return _finish(ym, dim, target)
@@ -700,26 +881,22 @@ def logsumexp_forward(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | Non
     col64 = _col64(N, sx_n)
     if N <= int(TUNING["max_row_block"]):
         block_r, block_n = _short_tile(R, N)
-        _fwd_rows_kernel[(triton.cdiv(R, block_r),)](
+        _fwd_rows_kernel[(cdiv(R, block_r),)](
             xm, xm, lse, R, N, I, sx_o, sx_i, sx_n, 0, 0, 0,
             MODE=_LOGSUMEXP, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
         )
         return lse
     n_pieces, piece, chunk = _split(R, N, x.device)
-    warps = int(TUNING["chunk_warps"])
-    if n_pieces == 1:
-        _fwd_stats_kernel[(R, 1)](
-            xm, lse, lse, lse, N, I, sx_o, sx_i, sx_n, piece, 1,
-            WRITE_LSE=True, BLOCK_N=chunk, COL64=col64, num_warps=warps,
-        )
-        return lse
-    pm = torch.empty((R, n_pieces), dtype=torch.float32, device=x.device)
-    ps = torch.empty_like(pm)
+    # one launch either way: a row of one piece writes its lse; a split row's last piece merges
+    pm = ps = cnt = lse  # (unused when one piece)
+    if n_pieces > 1:
+        pm, ps = torch.empty((2, R, n_pieces), dtype=torch.float32, device=x.device).unbind(0)
+        cnt = _row_counters(x.device, R)
     _fwd_stats_kernel[(R, n_pieces)](
-        xm, pm, ps, lse, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
-        WRITE_LSE=False, BLOCK_N=chunk, COL64=col64, num_warps=warps,
+        xm, pm, ps, lse, cnt, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
+        OUT=2 if n_pieces > 1 else 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk, COL64=col64,
+        num_warps=int(TUNING["chunk_warps"]),
     )
-    _lse_combine_kernel[(R,)](pm, ps, lse, n_pieces, NP_BLOCK=triton.next_power_of_2(n_pieces), num_warps=4)
     return lse
 
 
@@ -755,12 +932,15 @@ def softmax_backward(
     col64 = _col64(N, sy_n, sg_n, sd_n)
     if N <= int(TUNING["max_row_block_bwd"]):
         block_r, block_n = _short_tile(R, N)
-        _bwd_rows_kernel[(triton.cdiv(R, block_r),)](
+        _bwd_rows_kernel[(cdiv(R, block_r),)](
             ym, gm, dm, R, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n,
             LOG=log, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
         )
     elif _coop_launch(_bwd_coop_kernel, "bwd", (ym, gm, dm), 1, R, N, I,
                       (sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n), dict(LOG=log, COL64=col64)):
+        pass
+    elif _lookback_launch(_bwd_lookback_kernel, "bwd", (ym, gm, dm), 1, R, N, I,
+                          (sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n), dict(LOG=log, COL64=col64)):
         pass
     else:
         n_pieces, piece, chunk = _split(R, N, y.device)
@@ -774,7 +954,7 @@ def softmax_backward(
             )
         _bwd_long_kernel[(R, n_pieces)](
             ym, gm, dm, part, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n, piece, n_pieces,
-            LOG=log, FUSED=n_pieces == 1, NP_BLOCK=triton.next_power_of_2(n_pieces), BLOCK_N=chunk,
+            LOG=log, FUSED=n_pieces == 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk,
             COL64=col64, num_warps=warps,
         )
     return _finish(dm, dim, target)
@@ -807,10 +987,10 @@ def logsumexp_backward(
         return _finish(dm, dim, target)
     lse = lse.reshape(R).to(torch.float32).contiguous()
     g = g.reshape(R).contiguous()
-    block_n = min(triton.next_power_of_2(N), 2048)
-    block_r = max(1, min(int(TUNING["tile"]) // block_n, triton.next_power_of_2(R)))
-    n_col_tiles = triton.cdiv(N, block_n)
-    _lse_bwd_kernel[(triton.cdiv(R, block_r) * n_col_tiles,)](
+    block_n = min(next_power_of_2(N), 2048)
+    block_r = max(1, min(int(TUNING["tile"]) // block_n, next_power_of_2(R)))
+    n_col_tiles = cdiv(N, block_n)
+    _lse_bwd_kernel[(cdiv(R, block_r) * n_col_tiles,)](
         xm, lse, g, dm, R, N, I, sx_o, sx_i, sx_n, sd_o, sd_i, sd_n, n_col_tiles,
         BLOCK_R=block_r, BLOCK_N=block_n, COL64=_col64(N, sx_n, sd_n), num_warps=_row_warps(block_r * block_n),
     )

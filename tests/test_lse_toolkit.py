@@ -238,11 +238,17 @@ KERNEL_CASES = [
 KERNEL_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
 
 # long-row regimes, shrunk so that small rows take them: two passes in one program per row ("fused"),
-# or rows split over programs with a stats kernel and a merge ("split")
+# rows split over programs with a stats kernel and a merge ("split"), or the forward's one launch of
+# interleaved stats and normalising programs ("lookback": pieces of 16 columns in chunks of 8, groups
+# of 64 bytes = one or two rows)
 REGIMES = {
     "rows": {},
-    "fused": {"max_row_block": 16, "max_row_block_bwd": 16, "chunk": 32, "split_rows": 1},
-    "split": {"max_row_block": 16, "max_row_block_bwd": 16, "chunk": 32, "split_rows": 1 << 30},
+    "fused": {"max_row_block": 16, "max_row_block_bwd": 16, "chunk": 32, "split_rows": 1, "lookback_fwd": 0,
+              "lookback_bwd": 0},
+    "split": {"max_row_block": 16, "max_row_block_bwd": 16, "chunk": 32, "split_rows": 1 << 30, "lookback_fwd": 0,
+              "lookback_bwd": 0},
+    "lookback": {"max_row_block": 16, "max_row_block_bwd": 16, "chunk": 32, "lookback_fwd": 1, "lookback_bwd": 1,
+                 "lb_block": 8, "lb_piece": 16, "lb_group_bytes": 64},
 }
 
 
@@ -309,7 +315,7 @@ LONG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("regime", ["fused", "split"])
+@pytest.mark.parametrize("regime", ["fused", "split", "lookback"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape,dim", LONG_CASES)
 def test_kernel_long_rows(kernels, monkeypatch, shape, dim, mode, regime):
@@ -321,7 +327,7 @@ def test_kernel_long_rows(kernels, monkeypatch, shape, dim, mode, regime):
     judge_against("dx", kernel_backward(kernels, mode, x, g, dim), x, dim, mode, torch.float32, g=g)
 
 
-@pytest.mark.parametrize("regime", ["rows", "split"])
+@pytest.mark.parametrize("regime", ["rows", "split", "lookback"])
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_scaled_x100_fp16(kernels, monkeypatch, mode, regime):
     """Large logits: the max shift must keep every exp in range (fp16 holds at most 65504)."""
@@ -393,6 +399,12 @@ def test_kernel_log_bmm(lbmm, dims, dtype, scale):
     assert_judged("grad_a", ga, ra, None, torch.float32)
     assert_judged("grad_b", gb, rb, None, torch.float32)
     assert not (out.isnan().any() or ga.isnan().any() or gb.isnan().any())
+    # all -inf entries of out stay -inf and pass exactly zero gradient (DESIGN §2): row N // 2 of batch 0
+    # and column P - 1 of the last batch
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    assert torch.isneginf(out[0, dims[1] // 2]).all() and torch.isneginf(out[-1, :, -1]).all()
+    ga0, gb0 = lbmm.log_bmm_backward(a, b, out, torch.where(torch.isneginf(out), g, 0.0))
+    assert torch.all(ga0 == 0) and torch.all(gb0 == 0)
 
 
 def test_kernel_log_bmm_autograd(lbmm):
@@ -473,7 +485,8 @@ COOP_CASES = [  # rows, cols, dim, dtype: pieces of a row in registers, merged a
 def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, piece, warps):
     from ringlse.kernels import softmax as ks
 
-    knobs = {"max_row_block": 16, "max_row_block_bwd": 16, "coop_max_pieces": 1 << 20, "coop_min_rows": 1}
+    knobs = {"max_row_block": 16, "max_row_block_bwd": 16, "coop_max_pieces": 1 << 20, "coop_min_rows": 1,
+             "lookback_fwd": 0}
     for which in ("fwd", "bwd"):
         knobs.update({f"coop_{which}": 1, f"coop_piece_{which}": piece, f"coop_warps_{which}": warps})
     for key, value in knobs.items():
@@ -492,6 +505,58 @@ def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, pi
     assert ran == [True, True]
     assert not torch.isnan(dx).any()
     judge_against("dx", dx, x, dim, mode, dtype, g=g)
+
+
+LOOKBACK_CASES = [  # rows, cols, dim, dtype, knobs: stats and normalising programs in one launch
+    pytest.param(3, 100003, -1, torch.float32, {}, id="3x100003-fp32"),
+    pytest.param(257, 40000, -1, torch.bfloat16, {"lb_group_bytes": 1 << 20}, id="257x40000-bf16-group1M"),
+    pytest.param(5, 40001, 0, torch.float32, {"lb_piece": 2048, "lb_block": 1024}, id="5x40001-dim0-fp32"),
+    pytest.param(2, 1 << 21, -1, torch.float16, {"lb_max_pieces": 64}, id="2x2M-fp16-64pieces"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("rows,cols,dim,dtype,knobs", LOOKBACK_CASES)
+def test_gpu_lookback_long_rows(monkeypatch, rows, cols, dim, dtype, knobs, mode):
+    """The one-launch long-row forward and backward compiled, three times in a row on two streams:
+    the row counters they reuse must be left at zero by each call."""
+    from ringlse.kernels import softmax as ks
+
+    base = {"max_row_block": 16, "max_row_block_bwd": 16, "coop_fwd": 0, "coop_bwd": 0, "lookback_fwd": 1,
+            "lookback_bwd": 1}
+    for key, value in {**base, **knobs}.items():
+        monkeypatch.setitem(ks.TUNING, key, value)
+    ran = []
+    launch = ks._lookback_launch
+    monkeypatch.setattr(ks, "_lookback_launch", lambda *args: ran.append(launch(*args)) or ran[-1])
+    shape = (rows, cols) if dim == -1 else (cols, rows)
+    x = make_x(shape, dim, dtype, scale=3.0, seed=18, device="cuda")  # with all -inf rows
+    g = torch.randn(x.shape, device="cuda", dtype=F64).to(dtype)
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            y = ks.softmax_forward(x, dim, log=mode == "log_softmax")
+            dx = ks.softmax_backward(y, g, dim, log=mode == "log_softmax")
+        torch.cuda.synchronize()
+        assert not torch.isnan(y).any() and not torch.isnan(dx).any()
+        judge_against("fwd", y, x, dim, mode, dtype)
+        judge_against("dx", dx, x, dim, mode, dtype, g=g)
+    assert ran == [True] * 6
+    assert all(int(c.count_nonzero()) == 0 for c in ks._COUNTERS.values())
+
+
+@pytest.mark.gpu
+def test_gpu_logsumexp_split_reuses_counters():
+    """The split logsumexp's last piece merges and zeroes its row counter: repeated calls of growing
+    row counts stay exact and leave the counters at zero."""
+    from ringlse.kernels import softmax as ks
+
+    for rows in (3, 3, 40):
+        x = make_x((rows, 70001), -1, torch.float32, scale=3.0, seed=19, device="cuda")
+        judge_against("fwd", ks.logsumexp_forward(x), x, -1, "logsumexp", torch.float32)
+    torch.cuda.synchronize()
+    assert all(int(c.count_nonzero()) == 0 for c in ks._COUNTERS.values())
 
 
 @pytest.mark.gpu
