@@ -56,16 +56,17 @@ TUNING: dict[str, int | None] = {
     "chunk": 8192,  # columns per step of the long-row loops
     "chunk_warps": 16,
     "row_warps": None,  # None: chosen from the tile size
-    "split_rows": 1 << 30,  # fewer rows than this split each row over programs; None: 2 x SMs
+    "split_rows": None,  # fewer rows than this split each row over programs; None: 2 x SMs
     # long rows on a GPU: cooperative pieces held in registers (0: the two-pass paths), columns per
     # program and its warps; forward and backward apart (the backward holds two inputs per piece)
     "coop_fwd": 1,
-    "coop_piece_fwd": 4096,
+    "coop_piece_fwd": 8192,
     "coop_warps_fwd": 8,
     "coop_bwd": 1,
     "coop_piece_bwd": 4096,
     "coop_warps_bwd": 8,
     "coop_max_pieces": 64,
+    "coop_min_rows": 64,
     # long rows in one launch, stats and normalising programs interleaved (`_fwd_lookback_kernel`,
     # `_bwd_lookback_kernel`; where the cooperative kernels do not apply): on/off, columns per program,
     # per chunk, warps, most pieces per row, bytes per group of rows
@@ -75,8 +76,7 @@ TUNING: dict[str, int | None] = {
     "lb_block": 2048,
     "lb_warps": 8,
     "lb_max_pieces": 256,
-    "lb_group_bytes": 4 << 20,
-    "coop_min_rows": 64,
+    "lb_group_bytes": 16 << 20,
 }
 
 
