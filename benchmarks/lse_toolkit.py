@@ -204,16 +204,16 @@ def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
     pick("long-row chunk (fwd)", [{"chunk": c, "chunk_warps": w} for c, w in ((2048, 4), (4096, 8), (8192, 8), (8192, 16))],
          long, "fwd")
     pick("split threshold (fwd)", [{"split_rows": v} for v in (None, 64, 1 << 30)], long[:2], "fwd")
+    # the cooperative kernels apply to many rows (>= coop_min_rows): few-row cases would only add their
+    # timing noise there; the look-back kernels also take the few-row cases
+    coop_cases = [(TOTAL // 65536, 65536), (TOTAL // 131072, 131072), (TOTAL >> 20, 1 << 20)]
     if coop:  # last: the other knobs are what it is compared with
-        # rows it applies to (>= coop_min_rows): few-row cases would only add their timing noise
-        coop_cases = [(TOTAL // 65536, 65536), (TOTAL // 131072, 131072), (TOTAL >> 20, 1 << 20)]
         for which in ("fwd", "bwd"):
             pick(f"cooperative long rows ({which})",
                  [{f"coop_{which}": 0}] + [{f"coop_{which}": 1, f"coop_piece_{which}": p, f"coop_warps_{which}": w}
                                           for p, w in ((1024, 4), (2048, 4), (4096, 8), (8192, 8))],
                  coop_cases, which)
-    long_fwd = [(TOTAL // 65536, 65536), (TOTAL // 131072, 131072), (TOTAL >> 20, 1 << 20), (4, 1 << 20),
-                (8, 131072)]
+    long_fwd = coop_cases + [(4, 1 << 20), (8, 131072)]
     pick("look-back long rows (fwd)",
          [{"lookback_fwd": 0}] + [{"lookback_fwd": 1, "lb_piece": p, "lb_block": b, "lb_warps": w, "lb_group_bytes": g}
                                   for p, b, w, g in ((8192, 2048, 8, 4 << 20), (8192, 4096, 8, 4 << 20),

@@ -127,6 +127,16 @@ def _merge_lanes(m, s):
 
 
 @triton.jit
+def _merge_partials(pm_ptr, ps_ptr, base, K, KB: tl.constexpr):
+    """Merge the K per-piece `(max, sum)` stored from `base` on. `.cg`: read them from L2, never from a
+    stale L1 line (other programs of the same launch may have written them)."""
+    offs = tl.arange(0, KB)
+    pm = tl.load(pm_ptr + base + offs, mask=offs < K, other=float("-inf"), cache_modifier=".cg")
+    ps = tl.load(ps_ptr + base + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
+    return _merge_lanes(pm, ps)
+
+
+@triton.jit
 def _piece_stats(x_ptr, start, c0, c1, s_n, BLOCK_N: tl.constexpr, COL64: tl.constexpr):
     """(M, S) of columns [c0, c1) of the row at element offset `start`: one read, chunk by chunk."""
     cols = tl.arange(0, BLOCK_N)
@@ -198,10 +208,7 @@ def _fwd_stats_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
         if arrived == NP - 1:
-            offs = tl.arange(0, NP_BLOCK)
-            pm = tl.load(pm_ptr + row * NP + offs, mask=offs < NP, other=float("-inf"), cache_modifier=".cg")
-            ps = tl.load(ps_ptr + row * NP + offs, mask=offs < NP, other=0.0, cache_modifier=".cg")
-            M, S = _merge_lanes(pm, ps)
+            M, S = _merge_partials(pm_ptr, ps_ptr, row * NP, NP, NP_BLOCK)
             tl.store(lse_ptr + row, tl.where(M == float("-inf"), 0.0, M) + tl.log2(S) * LN2)
             tl.atomic_xchg(cnt_ptr + row, 0)
 
@@ -226,10 +233,7 @@ def _fwd_long_kernel(
     if FUSED:
         M, S = _piece_stats(x_ptr, xs, 0, N, sx_n, BLOCK_N, COL64)
     else:
-        offs = tl.arange(0, NP_BLOCK)
-        pm = tl.load(pm_ptr + row * NP + offs, mask=offs < NP, other=float("-inf"))
-        ps = tl.load(ps_ptr + row * NP + offs, mask=offs < NP, other=0.0)
-        M, S = _merge_lanes(pm, ps)
+        M, S = _merge_partials(pm_ptr, ps_ptr, row * NP, NP, NP_BLOCK)
     c0 = p * PIECE
     _normalise_piece(x_ptr, y_ptr, xs, ys, c0, tl.minimum(c0 + PIECE, N), sx_n, sy_n, M, S, MODE, BLOCK_N, COL64)
 
@@ -425,10 +429,7 @@ def _fwd_lookback_kernel(
             _count_piece(cnt_ptr, row)
         else:
             _await_pieces(cnt_ptr, row, K)
-            offs = tl.arange(0, KB)
-            pm = tl.load(pm_ptr + row * K + offs, mask=offs < K, other=float("-inf"), cache_modifier=".cg")
-            ps = tl.load(ps_ptr + row * K + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
-            M, S = _merge_lanes(pm, ps)
+            M, S = _merge_partials(pm_ptr, ps_ptr, row * K, K, KB)
             _normalise_piece(x_ptr, y_ptr, xs, _row_start(row, I, sy_o, sy_i), c0, c1, sx_n, sy_n, M, S,
                              MODE, BLOCK_N, COL64)
             _release_row(cnt_ptr, row, R, K)
@@ -487,7 +488,6 @@ def _fwd_coop_kernel(
     k = pid - slot * K
     cols = k * PIECE + tl.arange(0, PIECE)
     cmask = cols < N
-    offs = tl.arange(0, KB)
     x_cols = _col_offsets(cols, sx_n, COL64)
     x_next = tl.load(x_ptr + _row_start(slot, I, sx_o, sx_i) + x_cols, mask=cmask & (slot < R), other=float("-inf"))
     for row in range(slot, R, SLOTS):
@@ -502,10 +502,7 @@ def _fwd_coop_kernel(
         tl.store(pm_ptr + row * K + k, m)
         tl.store(ps_ptr + row * K + k, tl.sum(e, axis=0))
         _wait_for_pieces(cnt_ptr, row, K)
-        # .cg: read the other programs' partials from L2, never from a stale L1 line
-        pm = tl.load(pm_ptr + row * K + offs, mask=offs < K, other=float("-inf"), cache_modifier=".cg")
-        ps = tl.load(ps_ptr + row * K + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
-        M, S = _merge_lanes(pm, ps)
+        M, S = _merge_partials(pm_ptr, ps_ptr, row * K, K, KB)
         M_safe = tl.where(M == float("-inf"), 0.0, M)
         if MODE == 0:
             # exp(x - M) / S = e * exp(m_safe - M) / S; an all -inf row has S = 0 and gives 0
