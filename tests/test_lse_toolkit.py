@@ -429,6 +429,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 GPU_CASES = [  # rows, cols, dtypes: every size in bf16, a spread in fp32 and fp16 (compile time counts)
     (64, 1, (BF16,)),
     (33, 97, (BF16, FP16, FP32)),
+    (2000, 300, (FP32,)),  # many short rows: several rows per program in a small tile
     (16, 4097, (BF16, FP32)),
     (8, 16384, (BF16,)),
     (300, 20000, (BF16, FP32)),  # long rows, one program per row (two passes)
