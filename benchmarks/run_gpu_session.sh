@@ -32,7 +32,7 @@ if [[ $what == final || $what == all ]]; then
 fi
 if [[ $what == lse ]]; then  # the LSE toolkit alone (tests, then the benchmark)
     step 100 lse-gpu-tests python3 -m pytest tests/test_lse_toolkit.py -q -m gpu -p no:cacheprovider
-    step 120 lse-bench python3 benchmarks/lse_toolkit.py --out "$out"
+    step 300 lse-bench python3 benchmarks/lse_toolkit.py --out "$out"
 fi
 if [[ $what == ring2 ]]; then  # the ring benchmark on 2 of the GPUs (causal fwd+bwd)
     step 200 ring-bench-2 torchrun --nproc_per_node=2 benchmarks/ring.py --out "$out" --budget-s 0.25 \
