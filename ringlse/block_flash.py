@@ -22,8 +22,8 @@ from functools import cache
 
 import torch
 
-from ringlse.block_sdpa import _KernelSet, _norm_lse, fused_block_backward, fused_block_forward
-from ringlse.blockop import BlockOp
+from ringlse.block_sdpa import _KernelSet, _norm_lse, fused_block_backward, fused_block_forward, fused_block_parts
+from ringlse.blockop import BlockGrads, BlockOp
 from ringlse.positions import Piece, split_causal_block
 
 
@@ -130,4 +130,9 @@ def flash_block_backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causa
     )
 
 
-FLASH_BLOCK_OP = BlockOp("flash", flash_block_forward, flash_block_backward, uses_delta=False)
+def flash_block_parts(dout, q, k, v, out, lse, delta, **block) -> BlockGrads:
+    return fused_block_parts(FLASH_KERNELS, dout, q, k, v, out, lse, delta, **block)
+
+
+FLASH_BLOCK_OP = BlockOp("flash", flash_block_forward, flash_block_backward, uses_delta=False,
+                         backward_parts=flash_block_parts)

@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ringlse.block_torch import torch_block_backward, torch_block_forward
-from ringlse.blockop import BlockOp
+from ringlse.blockop import BlockGrads, BlockOp, GradPart
 from ringlse.merge import update_out_and_lse
+from ringlse.part_sum import add_parts
 from ringlse.positions import Piece, split_causal_block
 from ringlse.reference import lse_dtype
 
@@ -378,7 +379,7 @@ def fused_block_forward(
         return out_acc, lse_acc
 
 
-def fused_block_backward(
+def fused_block_parts(
     ks: _KernelSet,
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -386,26 +387,26 @@ def fused_block_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
+    delta: torch.Tensor | None,
     *,
     softmax_scale: float,
     causal: bool,
     q_start: int,
     k_start: int,
-    dq_acc: torch.Tensor,
-    dk_acc: torch.Tensor,
-    dv_acc: torch.Tensor,
     lse_grad: torch.Tensor | None = None,
-) -> None:
-    """The block-op backward (see `ringlse.blockop`) over a family of fused kernels; `delta` is not
-    read: the kernels compute `rowsum(dout * out)` themselves and `lse_grad` adds the rest."""
+) -> BlockGrads:
+    """The block-op `backward_parts` (see `ringlse.blockop`) over a family of fused kernels: the
+    kernels' own output tensors (q's dtype; float32 where GQA groups are summed or for the lse-gradient
+    term), never added into anything. `delta` is not read: the kernels compute `rowsum(dout * out)`
+    themselves and `lse_grad` adds the rest."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     acc = lse_dtype(q.dtype)
+    grads = BlockGrads([], [], [])
     with torch.no_grad():
         pieces = _pieces(ks, sq, sk, q_start, k_start, causal)
         if not pieces:
-            return
+            return grads
         # same dtype and (contiguous) strides for out and dout: cuDNN < 9.5.1 requires equal strides
         dout = dout.to(q.dtype).contiguous()
         out = out.to(q.dtype).contiguous()
@@ -418,9 +419,9 @@ def fused_block_backward(
             rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
             qp, kp, vp, op, dop = q[:, rows], k[:, keys], v[:, keys], out[:, rows], dout[:, rows]
             dq, dk, dv = ks.backward(dop, qp, kp, vp, op, lse_k[:, :, rows], p.causal, softmax_scale)
-            dq_acc[:, rows] += dq
-            dk_acc[:, keys] += _sum_groups(dk, hkv)
-            dv_acc[:, keys] += _sum_groups(dv, hkv)
+            grads.dq.append(GradPart(p.q0, dq))
+            grads.dk.append(GradPart(p.k0, _sum_groups(dk, hkv)))
+            grads.dv.append(GradPart(p.k0, _sum_groups(dv, hkv)))
             if e is None:
                 continue
             # delta = rowsum(dout * out) - e adds dS_ij = P_ij e_i (module docstring)
@@ -428,10 +429,18 @@ def fused_block_backward(
             o_kk, lse_blk = ks.forward(qp, kp, kp, p.causal, softmax_scale)  # sum_j exp(s_ij - lse_blk_i) k_j
             glob = lse[:, :, rows]
             w = torch.where(torch.isfinite(glob), torch.exp(lse_blk.to(acc) - glob), torch.zeros_like(glob))
-            dq_acc[:, rows] += (softmax_scale * ep * w).transpose(1, 2).unsqueeze(-1) * o_kk.to(acc)
+            grads.dq.append(GradPart(p.q0, (softmax_scale * ep * w).transpose(1, 2).unsqueeze(-1) * o_kk.to(acc)))
             eq = (ep.transpose(1, 2).unsqueeze(-1) * qp.to(acc)).to(q.dtype)
             _, _, dk_e = ks.backward(eq, qp, kp, vp, op, lse_k[:, :, rows], p.causal, softmax_scale)
-            dk_acc[:, keys] += softmax_scale * _sum_groups(dk_e, hkv)
+            grads.dk.append(GradPart(p.k0, _sum_groups(dk_e, hkv), softmax_scale))
+    return grads
+
+
+def fused_block_backward(ks: _KernelSet, dout, q, k, v, out, lse, delta, *, dq_acc, dk_acc, dv_acc, **block) -> None:
+    """The block-op backward (see `ringlse.blockop`): `fused_block_parts` added into the accumulators."""
+    grads = fused_block_parts(ks, dout, q, k, v, out, lse, delta, **block)
+    for acc, parts in zip((dq_acc, dk_acc, dv_acc), grads):
+        add_parts(acc, parts)
 
 
 def sdpa_block_forward(q, k, v, *, softmax_scale, causal, q_start, k_start, out_acc=None, lse_acc=None):
@@ -449,4 +458,9 @@ def sdpa_block_backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal
     )
 
 
-SDPA_BLOCK_OP = BlockOp("sdpa", sdpa_block_forward, sdpa_block_backward, uses_delta=False)
+def sdpa_block_parts(dout, q, k, v, out, lse, delta, **block) -> BlockGrads:
+    return fused_block_parts(SDPA_KERNELS, dout, q, k, v, out, lse, delta, **block)
+
+
+SDPA_BLOCK_OP = BlockOp("sdpa", sdpa_block_forward, sdpa_block_backward, uses_delta=False,
+                        backward_parts=sdpa_block_parts)

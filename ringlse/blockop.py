@@ -20,6 +20,13 @@ backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_st
     the float32/float64 accumulators `dq_acc` `[b, sq, h, d]`, `dk_acc`, `dv_acc` `[b, sk, hkv, d]`
     (views allowed). Returns nothing.
 
+backward_parts(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_start, lse_grad=None)
+    Optional, for ops whose kernels return gradients as new tensors (cuDNN, flash-attn): the same
+    gradients as `backward`, returned instead of added, as `BlockGrads` of `GradPart`s (a tensor in
+    any float dtype, its first row within the block's query or key rows, and a scale). Callers sum
+    the parts in float32 (`ringlse.part_sum`) when and where they like, e.g. send a K/V block's parts
+    to the rank that owns it without ever forming a float32 accumulator.
+
 Callers skip blocks that `positions.block_kind` calls EMPTY and pass `causal=False` for FULL ones.
 """
 
@@ -27,10 +34,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ringlse.reference import lse_dtype
+
+
+class GradPart(NamedTuple):
+    """`scale * value` placed at rows `[start, start + value.shape[1])` of a `[b, rows, heads, d]` gradient."""
+
+    start: int
+    value: torch.Tensor
+    scale: float = 1.0
+
+
+class BlockGrads(NamedTuple):
+    """One block's gradients as parts: dq parts index the block's query rows, dk/dv parts its key rows."""
+
+    dq: list[GradPart]
+    dk: list[GradPart]
+    dv: list[GradPart]
 
 
 @dataclass(frozen=True)
@@ -43,6 +67,8 @@ class BlockOp:
     # False for kernels that compute rowsum(dout * out) themselves (cuDNN, flash-attn): callers then
     # pass delta=None and skip its four passes over dout and out
     uses_delta: bool = True
+    # returns the gradients as parts instead of adding them (see the module docstring), or None
+    backward_parts: Callable[..., BlockGrads] | None = None
 
     def compute_delta(self, dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.delta is not None:
