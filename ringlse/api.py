@@ -55,7 +55,7 @@ def block_attention(
     softmax_scale: float | None = None,
     q_start: int = 0,
     k_start: int = 0,
-    backend: str = "auto",
+    backend: str | BlockOp = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block of queries to one block of keys at global positions, with its lse.
 
@@ -64,7 +64,8 @@ def block_attention(
         causal: key `j` visible to query `i` iff `k_start + j <= q_start + i` (DESIGN §4).
         softmax_scale: defaults to `headdim ** -0.5`.
         q_start, k_start: global positions of the first query and key.
-        backend: `auto` (`triton` on CUDA, `torch` elsewhere), `triton`, `sdpa`, `flash`, `torch`.
+        backend: `auto` (`triton` on CUDA, `torch` elsewhere), `triton`, `sdpa`, `flash`, `torch`, or a
+            `BlockOp`.
 
     Returns:
         `(out, lse)`: `out` like `q`; `lse` `[batch, nheads, seqlen_q]` float32 (float64 for float64),
@@ -85,7 +86,7 @@ def attention(
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
-    backend: str = "auto",
+    backend: str | BlockOp = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Single-device softmax attention; causal masks align bottom-right when `seqlen_q != seqlen_k`.
 

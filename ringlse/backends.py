@@ -51,12 +51,16 @@ def available_backends(device: torch.device | str) -> list[str]:
     return [n for n in _BACKENDS if backend_unavailable_reason(n, device) is None]
 
 
-def get_block_op(backend: str, device: torch.device | str) -> BlockOp:
-    """The block op for `backend` on `device`; `auto` is `triton` on CUDA, `torch` elsewhere.
+def get_block_op(backend: str | BlockOp, device: torch.device | str) -> BlockOp:
+    """The block op for `backend` on `device`; `auto` is `triton` on CUDA, `torch` elsewhere. A
+    `BlockOp` is returned as it is (your own kernels, or a registry op on a device it is not
+    offered for, such as `sdpa`'s CPU kernels in tests).
 
     Raises:
         ValueError: unknown or unavailable backend; the message lists what is available.
     """
+    if isinstance(backend, BlockOp):
+        return backend
     device = torch.device(device)
     name = ("triton" if device.type == "cuda" else "torch") if backend == "auto" else backend
     reason = backend_unavailable_reason(name, device)

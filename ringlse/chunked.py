@@ -53,7 +53,7 @@ def chunked_attention(
     softmax_scale: float | None = None,
     chunk_size: int,
     return_lse: bool = False,
-    backend: str = "auto",
+    backend: str | BlockOp = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over K/V chunks of `chunk_size` keys, merged exactly by lse.
 

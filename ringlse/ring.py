@@ -2,10 +2,12 @@
 
 Forward, W steps: post the exchange of the current K/V (one packed buffer) with the ring neighbours,
 attend the local queries to the held K/V (merging into float32 accumulators inside the block op),
-wait, swap buffers. Backward reuses the global `out`/`lse`, computes `delta` once, accumulates `dq`
-locally and lets partial `dk`/`dv` sums travel one hop behind their K/V until they arrive home,
-where the rank's own block, split in two, hides the first and the last transfer. The block op is
-a parameter, so the same loop runs on gloo/CPU and NCCL/GPU.
+wait, swap buffers. Backward reuses the global `out`/`lse`, computes `delta` once, brings the K/V
+round the ring again, keeps `dq` locally and sends each block's `dk`/`dv` straight to the block's
+owner, which sums them once at the end (DESIGN §6 lets partial sums travel the ring instead; sending
+parts home costs the same transfers, needs no float32 accumulator per hop, and lets bf16 kernel
+outputs travel as they are). The rank's own block, split in two, hides the first and the last
+transfer. The block op is a parameter, so the same loop runs on gloo/CPU and NCCL/GPU.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import torch
 import torch.distributed as dist
 
 from ringlse.backends import get_block_op
-from ringlse.blockop import BlockOp
+from ringlse.blockop import BlockOp, GradPart
+from ringlse.kv_pull import PulledKV, use_copy_engines
 from ringlse.layouts import LAYOUTS, BlockCall, check_layout, default_layout, plan_step
+from ringlse.part_sum import PartSum, sum_parts
 from ringlse.positions import BlockKind, block_kind
 from ringlse.reference import lse_dtype
 from ringlse.ring_comm import RingComm
@@ -24,12 +28,73 @@ from ringlse.validation import SUPPORTED_DTYPES, check_qkv
 _KV_TAG, _DKV_TAG = 1, 2
 
 
-def _plans(layout: str, comm: RingComm, n: int, causal: bool) -> list[list[BlockCall]]:
-    """plans[s]: the block calls of step s, whose K/V came from rank (rank - s) mod W."""
-    return [plan_step(layout, comm.rank, (comm.rank - s) % comm.world, comm.world, n, causal) for s in range(comm.world)]
+def _plans(layout: str, comm: RingComm, n: int, causal: bool) -> tuple[list[list[BlockCall]], list[list[BlockCall]]]:
+    """plans[s]: the block calls of step s, whose K/V came from rank (rank - s) mod W;
+    peer_plans[s]: those of rank (rank + s) mod W at its step s, when it holds our K/V."""
+    w, r = comm.world, comm.rank
+    plans = [plan_step(layout, r, (r - s) % w, w, n, causal) for s in range(w)]
+    peer_plans = [plan_step(layout, (r + s) % w, r, w, n, causal) for s in range(w)]
+    return plans, peer_plans
 
 
-def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, check) -> tuple[torch.Tensor, torch.Tensor]:
+def _event() -> torch.cuda.Event:
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+def _rows_read(plan: list[BlockCall]) -> tuple[int, int]:
+    """The key rows `[k0, k1)` a step's calls read (empty when it has none)."""
+    return (min(c.k0 for c in plan), max(c.k1 for c in plan)) if plan else (0, 0)
+
+
+def _held_blocks(comm: RingComm, kv_own: torch.Tensor, bufs: list[torch.Tensor], ready, plans,
+                 pulled: PulledKV | None):
+    """Yield `(s, kv)` for s = 0 .. W-1: the K/V of rank (rank - s) mod W once it has arrived
+    (`kv_own` for s = 0, `bufs[s % 3]` after); the caller queues its work on `kv` before asking for
+    the next block. `ready` (a CUDA event, None on CPU) is recorded once `kv_own` is written and
+    after `bufs` were allocated: transfers wait for it and the events below only, so every earlier
+    user of the buffers' memory must be queued before it.
+
+    Block 1's transfer is posted before step 0 is yielded. Block s+1's is posted before block s is
+    yielded, waiting only for the last reader of the buffer it fills (an event), not for everything
+    queued: with three buffers that reader is step s-2's work, long done, so the transfer starts
+    while step s-1 still runs, not when step s's kernels already hold every SM. On one host with
+    CUDA, blocks are pulled from their owners by copy engines (`ringlse.kv_pull`); otherwise NCCL
+    passes them from neighbour to neighbour; `pulled` (whose `kv` is `kv_own`) says which.
+    """
+    cuda = kv_own.device.type == "cuda"
+    if comm.world == 1:
+        yield 0, kv_own
+        return
+    last_read = [ready] * 3
+    if pulled is not None:
+        pulled.publish(ready)
+        pulled.pull(1, bufs[1], _rows_read(plans[1]), ready)
+    else:
+        works = comm.exchange(kv_own, bufs[1], _KV_TAG, ready=ready)
+    yield 0, kv_own
+    if cuda:
+        last_read[0] = _event()  # the forward's bufs[0] is kv_own
+    for s in range(1, comm.world):
+        if pulled is not None:
+            pulled.wait(s)
+        else:
+            comm.wait(works)
+        kv = bufs[s % 3]
+        if s + 1 < comm.world:
+            nxt = (s + 1) % 3
+            if pulled is not None:
+                pulled.pull(s + 1, bufs[nxt], _rows_read(plans[s + 1]), last_read[nxt])
+            else:
+                works = comm.exchange(kv, bufs[nxt], _KV_TAG, ready=last_read[nxt])
+        yield s, kv
+        if cuda:
+            last_read[s % 3] = _event()
+
+
+def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, check,
+                  pull: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 0 (the own block) is queued before `check()` waits for the ranks' agreement, and the
     first K/V transfer waits only for the packed K/V, so neither the agreement nor the first
     transfer leaves the GPU idle."""
@@ -37,12 +102,15 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, che
     acc = lse_dtype(q.dtype)
     out = torch.zeros((b, n, h, d), dtype=acc, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
-    kv = torch.stack([k, v])  # one contiguous buffer per step: a single send and a single receive
-    kv_next = torch.empty_like(kv)
-    ready = None
-    if kv.device.type == "cuda" and comm.world > 1:
-        ready = torch.cuda.Event()
-        ready.record()
+    # one contiguous buffer per step: a single send and a single receive, or published for pulls
+    pulled = PulledKV(comm, k, v) if pull else None
+    kv = pulled.kv if pulled is not None else torch.stack([k, v])
+    bufs = [kv]
+    if comm.world > 1:
+        # a published kv is read by the peers for the whole call: block 3 must not land in it
+        bufs = [kv if pulled is None or comm.world < 4 else torch.empty_like(kv), torch.empty_like(kv),
+                torch.empty_like(kv)]
+    ready = _event() if kv.is_cuda and comm.world > 1 else None
 
     def attend(plan, kv):
         for c in plan:
@@ -54,13 +122,8 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, che
 
     attend(plans[0][:1], kv)
     check()  # every rank raises here on bad or mismatched inputs, before any K/V moves
-    works = comm.exchange(kv, kv_next, _KV_TAG, ready=ready) if comm.world > 1 else []
-    attend(plans[0][1:], kv)
-    for s in range(1, comm.world):
-        comm.wait(works)
-        kv, kv_next = kv_next, kv  # K/V of rank (rank - s) mod W
-        works = comm.exchange(kv, kv_next, _KV_TAG) if s + 1 < comm.world else []
-        attend(plans[s], kv)
+    for s, held in _held_blocks(comm, kv, bufs, ready, plans, pulled):
+        attend(plans[s][1:] if s == 0 else plans[s], held)
     return out, lse
 
 
@@ -84,77 +147,135 @@ def _split_rows(plan: list[BlockCall], m: int) -> tuple[list[BlockCall], list[Bl
     return halves
 
 
-def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: float, comm: RingComm, plans):
-    """dq, dk, dv of this rank's shards.
+def _message_dtype(op: BlockOp, call: BlockCall, q: torch.Tensor, k: torch.Tensor, with_lse: bool) -> torch.dtype:
+    """The dtype a block call's dk/dv parts travel home in. Both ends derive it from the plan and the
+    agreed inputs, so a receiver knows every message's size and dtype without being told.
 
-    The partial dk/dv of K/V block j travel j+1 -> j+2 -> ... -> j-1 -> j, each holder adding its
-    part, one hop behind the K/V. Block j's own part is computed at home, in two halves of its query
-    rows: the first while the first K/V exchange is in flight, the second while the partial sums make
-    their last hop home, so neither transfer waits on an idle GPU.
+    An op that returns parts gives a full block without GQA group sums and without an lse-gradient
+    term (possible only when the lse is returned) as one kernel output in the input dtype: sent as it
+    is, exact. Anything else is summed (or accumulated) in float32 and travels so."""
+    if op.backward_parts is not None and not call.causal and q.shape[2] == k.shape[2] and not with_lse:
+        return k.dtype
+    return lse_dtype(q.dtype)
+
+
+def _as_message(parts: list[GradPart], shape: tuple[int, ...], dtype: torch.dtype, acc: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """One contiguous `[b, len, hkv, d]` tensor of `dtype` holding the sum of `parts`."""
+    if len(parts) == 1:
+        p = parts[0]
+        if p.start == 0 and p.scale == 1.0 and p.value.dtype == dtype and tuple(p.value.shape) == shape:
+            return p.value.contiguous()
+    return sum_parts(shape, parts, dtype, device, acc)
+
+
+def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: float, comm: RingComm, plans,
+                   peer_plans, with_lse: bool, pull: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of this rank's shards, in the input dtype.
+
+    Each rank attends its queries to every K/V block as the blocks come round the ring (as in the
+    forward) and sends the dk/dv it computed for block j straight to rank j, which sums what the W
+    ranks sent in one pass at the end (`PartSum`). Ops that return their gradients as tensors
+    (`backward_parts`: cuDNN, flash-attn) send those as they are, so no float32 accumulator is ever
+    read and rewritten per block; ops that accumulate in-kernel add into float32 buffers that are sent
+    instead. Rank j's own block is computed in two halves of its query rows: the first while the first
+    K/V exchange is in flight, the second while the last gradients are on their way home.
     """
     acc = lse_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv_own = torch.stack([k, v])
-    dkv_home = torch.zeros(kv_own.shape, dtype=acc, device=q.device)
+    b, n, h, d = q.shape
+    hkv = k.shape[2]
+    dq, dk, dv = PartSum(q.shape, acc, q.device), PartSum(k.shape, acc, k.device), PartSum(v.shape, acc, v.device)
+    pulled = PulledKV(comm, k, v) if pull and comm.world > 1 else None
+    kv_own = pulled.kv if pulled is not None else torch.stack([k, v])
 
-    def attend(plan, kv, dkv):
+    def call_args(c: BlockCall, kv: torch.Tensor) -> tuple[tuple, dict]:
+        rows = slice(c.q0, c.q1)
+        args = (dout[:, rows], q[:, rows], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1], out[:, rows], lse[:, :, rows],
+                None if delta is None else delta[:, :, rows])
+        kw = dict(softmax_scale=scale, causal=c.causal, q_start=c.q_start, k_start=c.k_start,
+                  lse_grad=None if lse_grad is None else lse_grad[:, :, rows])
+        return args, kw
+
+    def attend_own(plan: list[BlockCall]) -> None:
         for c in plan:
-            op.backward(
-                dout[:, c.q0:c.q1], q[:, c.q0:c.q1], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1],
-                out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1], None if delta is None else delta[:, :, c.q0:c.q1],
-                softmax_scale=scale,
-                causal=c.causal, q_start=c.q_start, k_start=c.k_start,
-                dq_acc=dq[:, c.q0:c.q1], dk_acc=dkv[0, :, c.k0:c.k1], dv_acc=dkv[1, :, c.k0:c.k1],
-                lse_grad=None if lse_grad is None else lse_grad[:, :, c.q0:c.q1],
-            )
+            args, kw = call_args(c, kv_own)
+            if op.backward_parts is None:
+                op.backward(*args, **kw, dq_acc=dq.accumulator()[:, c.q0:c.q1],
+                            dk_acc=dk.accumulator()[:, c.k0:c.k1], dv_acc=dv.accumulator()[:, c.k0:c.k1])
+                continue
+            g = op.backward_parts(*args, **kw)
+            for total, parts, offset in ((dq, g.dq, c.q0), (dk, g.dk, c.k0), (dv, g.dv, c.k0)):
+                for p in parts:
+                    total.add(p, offset)
+
+    def attend_remote(plan: list[BlockCall], kv: torch.Tensor) -> list[torch.Tensor]:
+        """Attend to a held K/V block; returns the dk, dv messages for its owner, per call."""
+        messages = []
+        for c in plan:
+            args, kw = call_args(c, kv)
+            shape = (b, c.k1 - c.k0, hkv, d)
+            if op.backward_parts is None:
+                dkv = torch.zeros((2, *shape), dtype=acc, device=q.device)
+                op.backward(*args, **kw, dq_acc=dq.accumulator()[:, c.q0:c.q1], dk_acc=dkv[0], dv_acc=dkv[1])
+                messages += [dkv[0], dkv[1]]
+                continue
+            g = op.backward_parts(*args, **kw)
+            for p in g.dq:
+                dq.add(p, c.q0)
+            dtype = _message_dtype(op, c, q, k, with_lse)
+            messages += [_as_message(g.dk, shape, dtype, acc, q.device), _as_message(g.dv, shape, dtype, acc, q.device)]
+        return messages
 
     if comm.world == 1:
-        attend(plans[0], kv_own, dkv_home)
-        return dq, dkv_home[0], dkv_home[1]
-    own_first, own_last = _split_rows(plans[0], q.shape[1] // 2)
-    kv_bufs = [torch.empty_like(kv_own) for _ in range(2)]
-    kv_works = comm.exchange(kv_own, kv_bufs[1], _KV_TAG)
-    attend(own_first, kv_own, dkv_home)
-    # two buffers for the partial dk/dv a step adds (one may still be in flight to rank+1) and one
-    # that receives the partial sums of the K/V we hold next from rank-1
-    dkv_bufs = [torch.empty(kv_own.shape, dtype=acc, device=q.device) for _ in range(2)]
-    dkv_recv = torch.empty_like(dkv_bufs[0])
+        attend_own(plans[0])
+        return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
+    own_first, own_last = _split_rows(plans[0], n // 2)
+    bufs = [torch.empty_like(kv_own) for _ in range(3)]
+    ready = _event() if kv_own.is_cuda else None
     dkv_works: list = []
-    for s in range(1, comm.world):
-        comm.wait(kv_works)
-        kv = kv_bufs[s % 2]  # K/V of rank (rank - s) mod W
-        kv_works = comm.exchange(kv, kv_bufs[(s + 1) % 2], _KV_TAG) if s + 1 < comm.world else []
-        dkv = dkv_bufs[s % 2]
-        dkv.zero_()
-        attend(plans[s], kv, dkv)
-        if s > 1:
-            # what earlier holders of this K/V added arrived while we computed; add it after
-            comm.wait(dkv_works)
-            dkv += dkv_recv
-        dkv_works = comm.exchange(dkv, dkv_recv, _DKV_TAG)
-    attend(own_last, kv_own, dkv_home)
-    comm.wait(dkv_works)  # the other W-1 ranks' parts of our own K/V's gradients
-    dkv_home += dkv_recv
-    return dq, dkv_home[0], dkv_home[1]
+    sent: list[list[torch.Tensor]] = []  # kept alive until their transfers are done
+    received: list[tuple[BlockCall, torch.Tensor, torch.Tensor]] = []
+    for s, kv in _held_blocks(comm, kv_own, bufs, ready, plans, pulled):
+        if s == 0:
+            attend_own(own_first)
+            continue
+        sent.append(attend_remote(plans[s], kv))
+        # rank (rank + s) mod W attends to our K/V at its step s: its calls say what comes back
+        recvs = []
+        for c in peer_plans[s]:
+            dtype = _message_dtype(op, c, q, k, with_lse)
+            incoming = [torch.empty((b, c.k1 - c.k0, hkv, d), dtype=dtype, device=q.device) for _ in range(2)]
+            received.append((c, *incoming))
+            recvs += incoming
+        dkv_works += comm.send_recv(sent[-1], (comm.rank - s) % comm.world, recvs, (comm.rank + s) % comm.world,
+                                    _DKV_TAG)
+    attend_own(own_last)
+    comm.wait(dkv_works)
+    for c, dk_part, dv_part in received:
+        dk.add(GradPart(0, dk_part), c.k0)
+        dv.add(GradPart(0, dv_part), c.k0)
+    return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, check):
+    def forward(ctx, q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, peer_plans, with_lse: bool, pull: bool,
+                check):
         ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero gradient
-        out_acc, lse = _ring_forward(q, k, v, op, scale, comm, plans, check)
+        out_acc, lse = _ring_forward(q, k, v, op, scale, comm, plans, check, pull)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (op, scale, comm, plans)
+        ctx.args = (op, scale, comm, plans, peer_plans, with_lse, pull)
         return out, lse
 
     @staticmethod
     def backward(ctx, g_out, g_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        op, scale, comm, plans = ctx.args
+        op, scale, comm, plans, peer_plans, with_lse, pull = ctx.args
         g_out, delta, lse_grad = op.backward_inputs(g_out, g_lse, out)
-        dq, dk, dv = _ring_backward(g_out, q, k, v, out, lse, delta, lse_grad, op, scale, comm, plans)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dq, dk, dv = _ring_backward(g_out, q, k, v, out, lse, delta, lse_grad, op, scale, comm, plans, peer_plans,
+                                    with_lse, pull)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _LAYOUT_CODES = {name: i for i, name in enumerate(LAYOUTS)}
@@ -189,7 +310,7 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     layout: str | None = None,
     return_lse: bool = False,
-    backend: str = "auto",
+    backend: str | BlockOp = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention over a sequence sharded across the ranks of `group`.
 
@@ -203,7 +324,8 @@ def ring_attention(
         layout: `zigzag` (default when causal), `contiguous` (default otherwise) or `stripe`; use
             `ringlse.shard` to split a full sequence the same way.
         return_lse: also return lse `[batch, nheads, n]` (float32; float64 for float64 inputs).
-        backend: block op: `auto` (`triton` on CUDA, `torch` on CPU), `triton`, `sdpa`, `flash`, `torch`.
+        backend: block op: `auto` (`triton` on CUDA, `torch` on CPU), `triton`, `sdpa`, `flash`, `torch`,
+            or a `BlockOp`.
 
     Returns:
         This rank's `out` `[batch, n, nheads, headdim]` (q's dtype), or `(out, lse)`. Differentiable:
@@ -216,6 +338,10 @@ def ring_attention(
     comm = RingComm(group)
     layout = default_layout(causal) if layout is None else layout
     error = _local_error(q, k, v, layout, comm) if layout in LAYOUTS else f"unknown layout {layout!r}; choose one of {LAYOUTS}"
+    try:  # every rank of an NCCL group, whatever its inputs: the first call per group is collective
+        pull = use_copy_engines(comm)
+    except ValueError as e:
+        pull, error = False, error or str(e)
     scale = None
     if error is None:
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -225,10 +351,10 @@ def ring_attention(
             error = str(e)
     shapes = [*q.shape, *k.shape] if error is None else [-1] * 8
     meta = [*shapes, _DTYPE_CODES.get(q.dtype, -1) if error is None else -1, int(causal),
-            _LAYOUT_CODES.get(layout, -1), round((scale or 0.0) * 2**30)]
+            _LAYOUT_CODES.get(layout, -1), round((scale or 0.0) * 2**30), int(return_lse), int(pull)]
     check = comm.post_agreement(meta, error)
     if error is not None:
         check()  # raises on every rank; the others raise in their check() below
-    plans = _plans(layout, comm, q.shape[1], causal)
-    out, lse = _RingAttention.apply(q, k, v, op, scale, comm, plans, check)
+    plans, peer_plans = _plans(layout, comm, q.shape[1], causal)
+    out, lse = _RingAttention.apply(q, k, v, op, scale, comm, plans, peer_plans, return_lse, pull, check)
     return (out, lse) if return_lse else out

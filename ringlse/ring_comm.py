@@ -50,13 +50,14 @@ class RingComm:
             if self.rank < 0:
                 raise ValueError("this process is not a member of the given process group")
             to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-            self.next = to_global((self.rank + 1) % self.world)
-            self.prev = to_global((self.rank - 1) % self.world)
+            self.global_ranks = [to_global(r) for r in range(self.world)]
             self.backend = dist.get_backend(group)
         else:
             if group is not None:
                 raise ValueError("a process group was given but torch.distributed is not initialized")
-            self.group, self.rank, self.world, self.next, self.prev, self.backend = None, 0, 1, 0, 0, None
+            self.group, self.rank, self.world, self.global_ranks, self.backend = None, 0, 1, [0], None
+        self.next = self.global_ranks[(self.rank + 1) % self.world]
+        self.prev = self.global_ranks[(self.rank - 1) % self.world]
         self._stream: torch.cuda.Stream | None = None
 
     def _side_stream(self) -> torch.cuda.Stream:
@@ -84,6 +85,15 @@ class RingComm:
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
             return dist.batch_isend_irecv(ops)
+
+    def send_recv(self, sends: Sequence[torch.Tensor], dst: int, recvs: Sequence[torch.Tensor], src: int,
+                  tag: int = 0) -> list:
+        """Post `sends` -> group rank `dst` and `recvs` <- group rank `src` (in order, as one batch);
+        returns the works to `wait` on. Every pair of ranks must post matching batches in the same
+        order (NCCL matches point-to-point messages by order, not by tag)."""
+        ops = [dist.P2POp(dist.isend, t, self.global_ranks[dst], self.group, tag) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.global_ranks[src], self.group, tag) for t in recvs]
+        return dist.batch_isend_irecv(ops) if ops else []
 
     @staticmethod
     def wait(works: Sequence) -> None:

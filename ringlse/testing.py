@@ -130,10 +130,13 @@ def attention_with_grads(fn, q, k, v, dout, dlse=None, *, upcast: bool, **kwargs
     return out.detach(), lse.detach(), *(t.grad for t in leaves)
 
 
-def ring_with_grads(q, k, v, dout, dlse=None, *, causal: bool, layout: str, backend: str = "auto",
-                    group=None, non_contiguous: bool = False) -> tuple[torch.Tensor, ...]:
+def ring_with_grads(q, k, v, dout, dlse=None, *, causal: bool, layout: str, backend="auto",
+                    group=None, non_contiguous: bool = False, return_lse: bool = True) -> tuple[torch.Tensor, ...]:
     """Shard full `q, k, v, dout` (same on every rank), run `ring_attention` forward and backward,
-    and gather: the full-sequence `(out, lse, dq, dk, dv)` on every rank."""
+    and gather: the full-sequence `(out, lse, dq, dk, dv)` on every rank.
+
+    With `return_lse=False` (no `dlse` then) the differentiated call returns `out` alone, as most
+    training code calls it, and the lse comes from a second, gradient-free call."""
     from ringlse.layouts import shard, unshard
     from ringlse.ring import ring_attention
 
@@ -141,7 +144,15 @@ def ring_with_grads(q, k, v, dout, dlse=None, *, causal: bool, layout: str, back
     if non_contiguous:  # a [b, h, n, d] storage seen as [b, n, h, d]: strided inputs must work
         local[:3] = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in local[:3]]
     ql, kl, vl = (t.detach().requires_grad_() for t in local[:3])
-    out, lse = ring_attention(ql, kl, vl, causal=causal, layout=layout, return_lse=True, backend=backend, group=group)
+    if return_lse:
+        out, lse = ring_attention(ql, kl, vl, causal=causal, layout=layout, return_lse=True, backend=backend, group=group)
+    else:
+        if dlse is not None:
+            raise ValueError("ring_with_grads: an lse gradient needs return_lse=True")
+        out = ring_attention(ql, kl, vl, causal=causal, layout=layout, backend=backend, group=group)
+        with torch.no_grad():
+            _, lse = ring_attention(ql, kl, vl, causal=causal, layout=layout, return_lse=True, backend=backend,
+                                    group=group)
     loss = (out.double() * local[3].double()).sum()
     if dlse is not None:
         loss = loss + (lse.double() * shard(dlse, layout, dim=2, group=group).double()).sum()

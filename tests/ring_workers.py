@@ -31,9 +31,16 @@ def check_case(rank, world, case: dict) -> dict | None:
     nccl = torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     q, k, v, dout, dlse = _full_inputs(case["b"], case["s"], case["h"], case["hkv"], case["d"], dtype, case["seed"], device)
-    dlse = dlse if dtype == torch.float64 else None  # exercise the lse gradient where exactness is checked
-    ours = ring_with_grads(q, k, v, dout, dlse, causal=case["causal"], layout=case["layout"],
-                           backend=case.get("backend", "torch"), non_contiguous=case.get("non_contiguous", False))
+    # the lse gradient is exercised where exactness is checked (float64), unless a case says otherwise;
+    # without one the differentiated call returns out alone (bf16 gradient messages for `sdpa`)
+    with_dlse = case.get("lse_grad", dtype == torch.float64)
+    dlse = dlse if with_dlse else None
+    backend = case.get("backend", "torch")
+    if backend == "sdpa_cpu":  # the sdpa op's CPU kernels: the parts path of the ring without a GPU
+        from ringlse.block_sdpa import SDPA_BLOCK_OP as backend
+    ours = ring_with_grads(q, k, v, dout, dlse, causal=case["causal"], layout=case["layout"], backend=backend,
+                           non_contiguous=case.get("non_contiguous", False),
+                           return_lse=case.get("return_lse", with_dlse))
     if rank != 0:
         return None
     result = {"max_err": {}, "verdicts": []}

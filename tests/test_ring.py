@@ -102,6 +102,43 @@ def test_ring_with_triton_kernels_under_interpreter(tmp_path):
             assert ok, f"{case['dtype']} {case['layout']}: {text}"
 
 
+def _sdpa_cpu_cases(world: int) -> list[dict]:
+    """The `sdpa` op (its CPU kernels here) returns gradients as parts: dk/dv go home as the kernels'
+    own tensors where they can (full blocks, no GQA sum, no lse term) and summed in float32 otherwise."""
+    unit = 2 * world
+    base = dict(b=1, h=4, d=32, seed=6, backend="sdpa_cpu")
+    cases = []
+    for layout, causal in itertools.product(LAYOUTS, (False, True)):
+        # float64 with an lse gradient (summed float64 messages) and GQA
+        cases.append(dict(base, s=unit * 3, hkv=2, dtype=torch.float64, causal=causal, layout=layout))
+        # float64 without one: the kernels' tensors travel as they are
+        cases.append(dict(base, s=unit * 3, hkv=4, dtype=torch.float64, causal=causal, layout=layout, lse_grad=False))
+    for layout in LAYOUTS:  # bf16 messages, judged by DESIGN §7
+        cases.append(dict(base, s=unit * 8, hkv=4, d=64, dtype=torch.bfloat16, causal=True, layout=layout))
+    cases.append(dict(base, s=unit * 8, hkv=4, d=64, dtype=torch.bfloat16, causal=True, layout="zigzag",
+                      return_lse=True))
+    return cases
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4], ids=lambda w: f"W{w}")
+def test_ring_with_gradient_parts_matches_reference(world, tmp_path):
+    cases = _sdpa_cpu_cases(world)
+    per_rank = run_ranks(rw.battery, world, tmp_path, cases, timeout=300)
+    for case, result in zip(cases, per_rank[0]):
+        for name, ok, text in result["verdicts"]:
+            assert ok, f"W={world} {case}: {text}"
+
+
+def test_gradient_parts_error_does_not_grow_with_world_size(tmp_path):
+    """bf16 dk/dv travelling as the kernels' bf16 outputs: W = 4 error at most 1.25x W = 1."""
+    case = dict(b=1, s=128, h=4, hkv=4, d=64, dtype=torch.bfloat16, causal=True, layout="zigzag", seed=12,
+                backend="sdpa_cpu")
+    w4 = run_ranks(rw.battery, 4, tmp_path, [case], timeout=300)[0][0]["max_err"]
+    w1 = rw.check_case(0, 1, case)["max_err"]
+    for name in rw.NAMES:
+        assert w4[name] <= 1.25 * w1[name] + 1e-6, f"{name}: W=4 {w4[name]:.3e} vs W=1 {w1[name]:.3e}"
+
+
 def test_ring_over_subgroups_maps_ranks(tmp_path):
     assert all(run_ranks(rw.subgroup_rings, 4, tmp_path, timeout=240))
 

@@ -28,6 +28,10 @@ def _cases(world: int, backend: str) -> list[dict]:
                           backend=backend))
     cases.append(dict(b=2, s=unit, h=4, hkv=4, d=64, dtype=torch.bfloat16, causal=True, layout="zigzag", seed=22,
                       backend=backend))
+    # without GQA the sdpa/flash ops' bf16 dk/dv travel home as they are; with the lse returned, in float32
+    for layout, return_lse in (("zigzag", False), ("stripe", False), ("zigzag", True)):
+        cases.append(dict(b=1, s=unit * 2, h=8, hkv=8, d=128, dtype=torch.bfloat16, causal=True, layout=layout,
+                          seed=23, backend=backend, return_lse=return_lse))
     return cases
 
 
@@ -50,13 +54,22 @@ def test_ring_gpu_matches_reference(world, backend, tmp_path):
             assert ok, f"W={world} {backend} {case['dtype']} {case['layout']} causal={case['causal']}: {text}"
 
 
-@pytest.mark.parametrize("backend", ["triton", "sdpa"])
-def test_ring_gpu_error_does_not_grow_with_world_size(backend, tmp_path):
+# cuDNN returns every block's dk in bf16, so a key's gradient at W = 4 is a sum of ~W rounded parts
+# where W = 1 has one (summed in float32 either way; the float32 partial sums that travelled the ring
+# before did the same). Without GQA's float32 group sums that rounding shows: dk 1.27x (H200).
+_SDPA_MHA_MISS = pytest.mark.xfail(strict=True, reason="sdpa MHA dk: W=4 error 1.27x W=1 (bar 1.25): cuDNN rounds "
+                                   "each block's dk to bf16; README Known gaps")
+
+
+@pytest.mark.parametrize("backend, hkv", [("triton", 2), ("triton", 8), ("sdpa", 2),
+                                          pytest.param("sdpa", 8, marks=_SDPA_MHA_MISS)],
+                         ids=["triton-hkv2", "triton-hkv8", "sdpa-hkv2", "sdpa-hkv8"])
+def test_ring_gpu_error_does_not_grow_with_world_size(backend, hkv, tmp_path):
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs")
     if backend not in _gpu_backends():
         pytest.skip(f"backend {backend} not available")
-    case = dict(b=1, s=8 * 256, h=8, hkv=2, d=128, dtype=torch.bfloat16, causal=True, layout="zigzag", seed=31,
+    case = dict(b=1, s=8 * 256, h=8, hkv=hkv, d=128, dtype=torch.bfloat16, causal=True, layout="zigzag", seed=31,
                 backend=backend)
     w4 = run_ranks(rw.battery, 4, tmp_path, [case], timeout=300, backend="nccl")[0][0]["max_err"]
     w1 = run_ranks(rw.battery, 1, tmp_path, [case], timeout=300, backend="nccl")[0][0]["max_err"]

@@ -1,0 +1,156 @@
+"""K/V blocks pulled from the other GPUs' memory by copy engines, for rings within one host.
+
+NCCL moves data with kernels: beside an attention kernel that holds every SM, its transfers of the
+ring's K/V waited for SMs (on 4xH200 a 128 MiB block took 1.2 ms beside the cuDNN forward, 0.45 ms
+alone; `benchmarks/NOTES.md`). Copy engines need no SM. Each rank publishes its packed K/V in a
+buffer of PyTorch's symmetric memory (mapped into every rank of the group by CUDA IPC), and at step
+s copies the rows it will read of rank (rank - s)'s block straight from that buffer: a
+`cudaMemcpyAsync` between GPUs, run by a copy engine. Blocks come from their owner, not from the
+neighbour, so no transfer waits for another, and a zigzag rank that only sees the first half of a
+block pulls only that half.
+
+Synchronisation: K/V are packed straight into our buffer (two regions, alternate calls; see
+`PulledKV`), then on one high-priority side stream per device a GPU-side barrier of the group (every
+buffer is published) and the pulls, each waiting only for the last reader of the local buffer it
+fills. The compute stream waits for a pull's event.
+
+Used when every rank of an NCCL group is on this host (`use_copy_engines`); `RINGLSE_KV_TRANSPORT=
+nccl` turns it off, `=copy` insists on it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+_WORKSPACES: dict[tuple[str, int], list] = {}  # (group, device) -> [buffer, handle, calls published]
+_RETIRED: list = []  # outgrown workspaces: peers may still read them, so they are never freed
+_SAME_HOST: dict[str, bool] = {}
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _symm_mem():
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError:
+        return None
+    return symm_mem if hasattr(symm_mem, "rendezvous") and hasattr(symm_mem, "empty") else None
+
+
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def use_copy_engines(comm) -> bool:
+    """Whether the ring's K/V should be pulled by copy engines: an NCCL group whose ranks share one
+    host, torch with symmetric memory, and `RINGLSE_KV_TRANSPORT` not `nccl`.
+
+    Every rank of an NCCL group makes the same collective call here whatever its inputs or
+    environment (the first call per group gathers host names), and only then raises ValueError on a
+    bad `RINGLSE_KV_TRANSPORT`; the ranks compare their answers in the agreement, since the
+    environment may differ between them."""
+    if comm.world == 1 or comm.backend != "nccl":
+        return False
+    name = _group_name(comm.group)
+    if name not in _SAME_HOST:
+        hosts: list = [None] * comm.world
+        dist.all_gather_object(hosts, socket.gethostname(), group=comm.group)
+        _SAME_HOST[name] = len(set(hosts)) == 1
+    choice = os.environ.get("RINGLSE_KV_TRANSPORT", "auto")
+    if choice not in ("auto", "nccl", "copy"):
+        raise ValueError(f"RINGLSE_KV_TRANSPORT={choice!r}: choose auto, nccl or copy")
+    usable = _SAME_HOST[name] and _symm_mem() is not None
+    if choice == "copy" and not usable:
+        raise ValueError("RINGLSE_KV_TRANSPORT=copy: needs one host and a torch with symmetric memory")
+    return usable and choice != "nccl"
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device.index not in _STREAMS:
+        _STREAMS[device.index] = torch.cuda.Stream(device=device, priority=-1)
+    return _STREAMS[device.index]
+
+
+class PulledKV:
+    """This rank's packed K/V `[2, b, n, hkv, d]` in symmetric memory, and the other ranks' blocks
+    pulled from theirs.
+
+    The workspace holds two regions used by alternate calls. A call writes its region without
+    waiting for anyone: the peers last read it two calls ago, and they finished those reads before
+    they reached the previous call's barrier, which this rank has passed (its compute stream waited
+    for a pull queued after that barrier). So each call needs one GPU-side barrier (every buffer is
+    published) instead of two.
+
+    Args:
+        comm: the ring's `RingComm`.
+        k, v: this rank's K and V `[b, n, hkv, d]`; `kv` is their packed copy (in the workspace when
+            it is large enough already; growing it is collective, so that waits for `publish`).
+    """
+
+    def __init__(self, comm, k: torch.Tensor, v: torch.Tensor):
+        self.comm = comm
+        self.shape = (2, *k.shape)
+        self.dtype = k.dtype
+        self.nbytes = 2 * k.numel() * k.element_size()
+        self.key = (_group_name(comm.group), k.device.index)
+        self.stream = _side_stream(k.device)
+        self.arrived: dict[int, torch.cuda.Event] = {}
+        self.handle = None
+        ws = _WORKSPACES.get(self.key)
+        if ws is not None and ws[0].numel() >= 2 * self.nbytes:
+            self.kv = self._region(ws)
+            torch.stack([k, v], out=self.kv)
+        else:
+            self.kv = torch.stack([k, v])
+
+    def _region(self, ws) -> torch.Tensor:
+        """Our region for this call: the first or second half of the workspace (fixed halves, so
+        calls of different sizes never overlap a region a peer may still read)."""
+        buf, handle, calls = ws
+        half = buf.numel() // 2
+        self.handle, self.offset = handle, (calls % 2) * half // self.dtype.itemsize
+        return handle.get_buffer(self.comm.rank, self.shape, self.dtype, self.offset)
+
+    def publish(self, ready: torch.cuda.Event) -> None:
+        """Make our K/V readable by the group (after the ranks agreed on their inputs: growing the
+        workspace is a collective). `ready`: an event recorded once `kv` is written."""
+        ws = _WORKSPACES.get(self.key)
+        if ws is None or ws[0].numel() < 2 * self.nbytes:
+            symm_mem = _symm_mem()
+            if ws is not None:
+                _RETIRED.append(ws)
+            half = -(-self.nbytes // 256) * 256  # halves aligned for any dtype
+            buf = symm_mem.empty(2 * half, dtype=torch.uint8, device=self.kv.device)
+            handle = symm_mem.rendezvous(buf, self.comm.group if self.comm.group is not None else dist.group.WORLD)
+            ws = _WORKSPACES[self.key] = [buf, handle, 0]
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            if self.handle is None:  # packed outside the workspace (first call, or it grew)
+                region = self._region(ws)
+                region.copy_(self.kv)
+                self._keep = self.kv  # read by the side stream
+            self.handle.barrier(channel=0)  # every rank's K/V is published
+        ws[2] += 1
+
+    def pull(self, s: int, dst: torch.Tensor, rows: tuple[int, int], after: torch.cuda.Event | None) -> None:
+        """Copy rows `[k0, k1)` of rank (rank - s)'s K/V into `dst` (same shape), once `after` (the
+        last reader of `dst`) has happened. Batches of more than one sequence pull whole blocks
+        (their row ranges are not contiguous)."""
+        src = (self.comm.rank - s) % self.comm.world
+        remote = self.handle.get_buffer(src, self.shape, self.dtype, self.offset)
+        k0, k1 = rows if self.shape[1] == 1 else (0, self.shape[2])
+        if after is not None:
+            self.stream.wait_event(after)
+        with torch.cuda.stream(self.stream):
+            for i in range(2):  # K, V: each a contiguous run of rows
+                dst[i, :, k0:k1].copy_(remote[i, :, k0:k1])
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.arrived[s] = done
+
+    def wait(self, s: int) -> None:
+        """Make the current stream wait for block s."""
+        torch.cuda.current_stream().wait_event(self.arrived.pop(s))
