@@ -28,9 +28,11 @@ def category(name: str) -> str:
     n = name.lower()
     if "nccl" in n:
         return "nccl"
+    if n.startswith("memcpy"):  # copy engines (the K/V pulls), not the SMs
+        return "copy-engine"
     if any(s in n for s in ("attn", "attention", "fmha", "flash", "cudnn", "sdpa", "_fwd_kernel", "_bwd_", "dkdv", "_dq")):
         return "attention"
-    if "merge" in n:
+    if "merge" in n or "sum_parts" in n:
         return "merge"
     if any(s in n for s in ("elementwise", "copy", "fill", "reduce", "add", "cat", "stack")):
         return "elementwise"
@@ -82,7 +84,7 @@ def main() -> None:
             us = e.time_range.elapsed_us()
             per_cat[category(e.name)] += us / 1e3 / args.iters
             per_kernel[e.name[:90]] += us / 1e3 / args.iters
-            if category(e.name) != "nccl":
+            if category(e.name) not in ("nccl", "copy-engine"):
                 spans.append((e.time_range.start, e.time_range.end))
     spans.sort()
     busy, cur_s, cur_e = 0.0, None, None

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched session on a multi-GPU host: install, GPU tests, torchrun verification, ring + merge + LSE
 # toolkit benchmarks, each step under its own time limit so one slow step cannot starve the rest.
-# Usage: bash benchmarks/run_gpu_session.sh OUT_DIR [tests|final|all|lse|ring2]   (all logs go to OUT_DIR/session.log)
+# Usage: bash benchmarks/run_gpu_session.sh OUT_DIR [tests|final|all|lse|ring|ring2]   (all logs go to OUT_DIR/session.log)
 set -uo pipefail
 out=${1:?output dir}; what=${2:-final}
 log="$out/session.log"
@@ -33,6 +33,14 @@ fi
 if [[ $what == lse ]]; then  # the LSE toolkit alone (tests, then the benchmark)
     step 100 lse-gpu-tests python3 -m pytest tests/test_lse_toolkit.py -q -m gpu -p no:cacheprovider
     step 300 lse-bench python3 benchmarks/lse_toolkit.py --out "$out"
+fi
+if [[ $what == ring ]]; then  # the ring alone: tests (copy-engine and NCCL transports), verification, benchmark
+    step 220 ring-gpu-tests python3 -m pytest -q tests/test_ring_gpu.py tests/test_part_sum.py -p no:cacheprovider
+    RINGLSE_KV_TRANSPORT=nccl step 120 ring-gpu-tests-nccl python3 -m pytest -q tests/test_ring_gpu.py \
+        -k matches_reference -p no:cacheprovider
+    step 45 verify-causal-yes torchrun --nproc_per_node="$n" launch/verify.py --seqlen 8192 --heads 8 --kv-heads 2 \
+        --head-dim 128 --causal yes
+    step 300 ring-bench torchrun --nproc_per_node="$n" benchmarks/ring.py --out "$out" --budget-s 0.25
 fi
 if [[ $what == ring2 ]]; then  # the ring benchmark on 2 of the GPUs (causal fwd+bwd)
     step 200 ring-bench-2 torchrun --nproc_per_node=2 benchmarks/ring.py --out "$out" --budget-s 0.25 \
