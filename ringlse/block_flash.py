@@ -22,8 +22,7 @@ from functools import cache
 
 import torch
 
-from ringlse.block_sdpa import _KernelSet, _norm_lse, fused_block_backward, fused_block_forward, fused_block_parts
-from ringlse.blockop import BlockGrads, BlockOp
+from ringlse.block_sdpa import _KernelSet, _norm_lse, fused_block_op
 from ringlse.positions import Piece, split_causal_block
 
 
@@ -115,24 +114,4 @@ FLASH_KERNELS = _KernelSet(
 )
 
 
-def flash_block_forward(q, k, v, *, softmax_scale, causal, q_start, k_start, out_acc=None, lse_acc=None):
-    return fused_block_forward(
-        FLASH_KERNELS, q, k, v, softmax_scale=softmax_scale, causal=causal, q_start=q_start, k_start=k_start,
-        out_acc=out_acc, lse_acc=lse_acc,
-    )
-
-
-def flash_block_backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_start, dq_acc, dk_acc, dv_acc,
-                         lse_grad=None):
-    fused_block_backward(
-        FLASH_KERNELS, dout, q, k, v, out, lse, delta, softmax_scale=softmax_scale, causal=causal,
-        q_start=q_start, k_start=k_start, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, lse_grad=lse_grad,
-    )
-
-
-def flash_block_parts(dout, q, k, v, out, lse, delta, **block) -> BlockGrads:
-    return fused_block_parts(FLASH_KERNELS, dout, q, k, v, out, lse, delta, **block)
-
-
-FLASH_BLOCK_OP = BlockOp("flash", flash_block_forward, flash_block_backward, uses_delta=False,
-                         backward_parts=flash_block_parts)
+FLASH_BLOCK_OP = fused_block_op("flash", FLASH_KERNELS)

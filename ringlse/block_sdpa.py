@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from functools import partial
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -443,24 +444,10 @@ def fused_block_backward(ks: _KernelSet, dout, q, k, v, out, lse, delta, *, dq_a
         add_parts(acc, parts)
 
 
-def sdpa_block_forward(q, k, v, *, softmax_scale, causal, q_start, k_start, out_acc=None, lse_acc=None):
-    return fused_block_forward(
-        SDPA_KERNELS, q, k, v, softmax_scale=softmax_scale, causal=causal, q_start=q_start, k_start=k_start,
-        out_acc=out_acc, lse_acc=lse_acc,
-    )
+def fused_block_op(name: str, ks: _KernelSet) -> BlockOp:
+    """The block op (forward, accumulating backward, `backward_parts`) of a family of fused kernels."""
+    return BlockOp(name, partial(fused_block_forward, ks), partial(fused_block_backward, ks), uses_delta=False,
+                   backward_parts=partial(fused_block_parts, ks))
 
 
-def sdpa_block_backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_start, dq_acc, dk_acc, dv_acc,
-                         lse_grad=None):
-    fused_block_backward(
-        SDPA_KERNELS, dout, q, k, v, out, lse, delta, softmax_scale=softmax_scale, causal=causal,
-        q_start=q_start, k_start=k_start, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, lse_grad=lse_grad,
-    )
-
-
-def sdpa_block_parts(dout, q, k, v, out, lse, delta, **block) -> BlockGrads:
-    return fused_block_parts(SDPA_KERNELS, dout, q, k, v, out, lse, delta, **block)
-
-
-SDPA_BLOCK_OP = BlockOp("sdpa", sdpa_block_forward, sdpa_block_backward, uses_delta=False,
-                        backward_parts=sdpa_block_parts)
+SDPA_BLOCK_OP = fused_block_op("sdpa", SDPA_KERNELS)

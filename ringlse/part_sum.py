@@ -52,9 +52,14 @@ def sum_parts(
         acc_dtype: the dtype the sum is computed in (float32, or float64 for float64 inputs).
 
     Returns:
-        A new contiguous tensor of `shape` and `dtype`.
+        A contiguous tensor of `shape` and `dtype`: the part's own tensor when a single unscaled part
+        of that dtype is the whole result (a kernel output sent or returned as it is), else a new one.
     """
     parts = [p for p in parts if p.value.shape[1] > 0]
+    if len(parts) == 1:
+        p = parts[0]
+        if p.start == 0 and p.scale == 1.0 and p.value.dtype == dtype and tuple(p.value.shape) == tuple(shape):
+            return p.value.contiguous()
     kernel = _kernel_module() if torch.device(device).type == "cuda" else None
     if kernel is not None and acc_dtype == torch.float32 and dtype in _KERNEL_DTYPES and parts and all(
         p.value.dtype in _KERNEL_DTYPES for p in parts
@@ -110,6 +115,4 @@ class PartSum:
     def result(self, dtype: torch.dtype) -> torch.Tensor:
         """The sum, as a new tensor of `dtype`."""
         parts = self._parts if self._acc is None else [GradPart(0, self._acc), *self._parts]
-        if len(parts) == 1 and parts[0].start == 0 and parts[0].scale == 1.0 and parts[0].value.shape == self.shape:
-            return parts[0].value.to(dtype)
         return sum_parts(self.shape, parts, dtype, self.device, self.acc_dtype)

@@ -159,16 +159,6 @@ def _message_dtype(op: BlockOp, call: BlockCall, q: torch.Tensor, k: torch.Tenso
     return lse_dtype(q.dtype)
 
 
-def _as_message(parts: list[GradPart], shape: tuple[int, ...], dtype: torch.dtype, acc: torch.dtype,
-                device: torch.device) -> torch.Tensor:
-    """One contiguous `[b, len, hkv, d]` tensor of `dtype` holding the sum of `parts`."""
-    if len(parts) == 1:
-        p = parts[0]
-        if p.start == 0 and p.scale == 1.0 and p.value.dtype == dtype and tuple(p.value.shape) == shape:
-            return p.value.contiguous()
-    return sum_parts(shape, parts, dtype, device, acc)
-
-
 def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: float, comm: RingComm, plans,
                    peer_plans, with_lse: bool, pull: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of this rank's shards, in the input dtype.
@@ -223,7 +213,7 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
             for p in g.dq:
                 dq.add(p, c.q0)
             dtype = _message_dtype(op, c, q, k, with_lse)
-            messages += [_as_message(g.dk, shape, dtype, acc, q.device), _as_message(g.dv, shape, dtype, acc, q.device)]
+            messages += [sum_parts(shape, g.dk, dtype, q.device, acc), sum_parts(shape, g.dv, dtype, q.device, acc)]
         return messages
 
     if comm.world == 1:
