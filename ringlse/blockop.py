@@ -10,6 +10,12 @@ forward(q, k, v, *, softmax_scale, causal, q_start, k_start, out_acc=None, lse_a
     and `lse_acc` `[b, h, sq]` (float32/float64, possibly strided views into larger buffers): merges
     the block into them in place (DESIGN §3, `-inf`-safe) and returns them.
 
+forward_parts(q, k, v, *, softmax_scale, causal, q_start, k_start)
+    Optional, for ops whose kernels return their state as new tensors (cuDNN, flash-attn): the block's
+    state as `StatePart`s (`out` in q's dtype, `lse` float32, each placed at its first row within the
+    block's query rows), not merged with each other. Callers merge all parts of all blocks once
+    (`ringlse.state_parts`) instead of merging each into float32 accumulators.
+
 backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_start, dq_acc, dk_acc, dv_acc,
          lse_grad=None)
     `out`, `lse` are the *global* results for these query rows and `delta = rowsum(dout * out) - lse_grad`
@@ -49,6 +55,14 @@ class GradPart(NamedTuple):
     scale: float = 1.0
 
 
+class StatePart(NamedTuple):
+    """An attention state `out` `[b, rows, h, d]`, `lse` `[b, h, rows]` placed at rows `[start, start + rows)`."""
+
+    start: int
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
 class BlockGrads(NamedTuple):
     """One block's gradients as parts: dq parts index the block's query rows, dk/dv parts its key rows."""
 
@@ -69,6 +83,8 @@ class BlockOp:
     uses_delta: bool = True
     # returns the gradients as parts instead of adding them (see the module docstring), or None
     backward_parts: Callable[..., BlockGrads] | None = None
+    # returns the block's state as parts instead of merging it (see the module docstring), or None
+    forward_parts: Callable[..., list[StatePart]] | None = None
 
     def compute_delta(self, dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.delta is not None:
