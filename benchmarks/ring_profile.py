@@ -1,6 +1,7 @@
 """Where the time of one ring attention call goes, per rank (torch.profiler), under torchrun:
 
     torchrun --nproc_per_node=4 benchmarks/ring_profile.py --backend sdpa --seqlen 32768 [--trace-dir DIR]
+        [--without forward_parts backward_parts]
 
 Runs a few warm-up calls, then profiles `--iters` calls of causal forward+backward (batch 1 x 32 heads x
 head dim 128, bf16, zigzag) and prints, for every rank: wall milliseconds per call, and GPU kernel time
@@ -11,6 +12,7 @@ sat idle. Every rank writes a Chrome trace to `--trace-dir` when given.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import time
@@ -39,6 +41,35 @@ def category(name: str) -> str:
     return "other"
 
 
+def call_timing(call, reps: int) -> str:
+    """This rank's view of one call, unprofiled: GPU milliseconds of a call started after a barrier on
+    an idle GPU (how `benchmarks/ring.py` times it), the host milliseconds that call took to return
+    (launches, plus any wait for the GPU or the other ranks), and GPU milliseconds per call back to back."""
+    cold, host = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        call()
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        end.synchronize()
+        cold.append(start.elapsed_time(end))
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        call()
+    end.record()
+    end.synchronize()
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    return (f"cold {med(cold):.2f} ms (host {med(host):.2f} ms to return), "
+            f"back to back {start.elapsed_time(end) / reps:.2f} ms/call")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="triton")
@@ -49,6 +80,11 @@ def main() -> None:
     p.add_argument("--mode", default="fwd+bwd", choices=["fwd", "fwd+bwd"])
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--trace-dir", default=None)
+    p.add_argument("--without", nargs="*", default=[], choices=["forward_parts", "backward_parts"],
+                   help="turn these block-op capabilities off (to measure what each one gains)")
+    p.add_argument("--cold", action="store_true",
+                   help="profile calls that start on an idle GPU after a barrier, as benchmarks/ring.py times them "
+                        "(default: back to back), and record GPU activity only (less host overhead)")
     p.add_argument("--ops", action="store_true", help="rank 0 also prints the top operators by GPU time, with shapes")
     args = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -60,19 +96,25 @@ def main() -> None:
     mk = lambda h: torch.randn(1, n, h, 128, device="cuda", dtype=torch.bfloat16)
     q, k, v, dout = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
     leaves = [t.requires_grad_() for t in (q, k, v)]
+    op = dataclasses.replace(ringlse.get_block_op(args.backend, q.device), **{c: None for c in args.without})
 
     def call():
-        out = ringlse.ring_attention(*leaves, causal=causal, backend=args.backend)
+        out = ringlse.ring_attention(*leaves, causal=causal, backend=op)
         if args.mode == "fwd+bwd":
             out.backward(dout)
 
     for _ in range(3):
         call()
+    timing = call_timing(call, reps=10)
     torch.cuda.synchronize()
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.ops) as prof:
+    activities = [ProfilerActivity.CUDA] if args.cold else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities, record_shapes=args.ops) as prof:
         t0 = time.perf_counter()
         for _ in range(args.iters):
+            if args.cold:
+                torch.cuda.synchronize()
+                dist.barrier()
             call()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3 / args.iters
@@ -98,20 +140,22 @@ def main() -> None:
     if cur_e is not None:
         busy += cur_e - cur_s
     compute_busy_ms = busy / 1e3 / args.iters
-    lines = [f"rank {rank}: wall {wall_ms:.2f} ms/call, compute busy {compute_busy_ms:.2f} ms "
+    lines = [f"rank {rank}: unprofiled: {timing}", f"rank {rank}: profiled wall {wall_ms:.2f} ms/call, compute busy {compute_busy_ms:.2f} ms "
              f"(idle {wall_ms - compute_busy_ms:.2f}); " + ", ".join(f"{c} {t:.2f}" for c, t in sorted(per_cat.items()))]
     lines += [f"    {t:8.3f} ms  {name}" for name, t in sorted(per_kernel.items(), key=lambda x: -x[1])[:8]]
     gathered = [None] * world
     dist.all_gather_object(gathered, "\n".join(lines))
     if rank == 0:
-        print(f"backend={args.backend} S={args.seqlen} W={world} causal={causal} {args.mode} kv_heads={args.kv_heads}")
+        print(f"backend={args.backend} S={args.seqlen} W={world} causal={causal} {args.mode} kv_heads={args.kv_heads}"
+              f" without={args.without}")
         print("\n".join(gathered))
         if args.ops:
             print(prof.key_averages(group_by_input_shape=True).table(
                 sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=45, max_shapes_column_width=70))
     if args.trace_dir:
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(Path(args.trace_dir) / f"ring-{args.backend}-{args.seqlen}-rank{rank}.json"))
+        tag = "".join(f"-no-{c}" for c in args.without)
+        prof.export_chrome_trace(str(Path(args.trace_dir) / f"ring-{args.backend}-{args.seqlen}{tag}-rank{rank}.json"))
     dist.barrier()
     dist.destroy_process_group()
 

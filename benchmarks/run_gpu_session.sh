@@ -35,7 +35,8 @@ if [[ $what == lse ]]; then  # the LSE toolkit alone (tests, then the benchmark)
     step 300 lse-bench python3 benchmarks/lse_toolkit.py --out "$out"
 fi
 if [[ $what == ring ]]; then  # the ring alone: tests (copy-engine and NCCL transports), verification, benchmark
-    step 220 ring-gpu-tests python3 -m pytest -q tests/test_ring_gpu.py tests/test_part_sum.py -p no:cacheprovider
+    step 240 ring-gpu-tests python3 -m pytest -q tests/test_ring_gpu.py tests/test_part_sum.py tests/test_state_parts.py \
+        tests/test_backends.py -p no:cacheprovider
     RINGLSE_KV_TRANSPORT=nccl step 120 ring-gpu-tests-nccl python3 -m pytest -q tests/test_ring_gpu.py \
         -k matches_reference -p no:cacheprovider
     step 45 verify-causal-yes torchrun --nproc_per_node="$n" launch/verify.py --seqlen 8192 --heads 8 --kv-heads 2 \

@@ -17,8 +17,9 @@ but the CPU kernels let every line of this module be tested without a GPU.
 What the ops cannot do, this module does around them:
 - Masks: the ops know "no mask" and "top-left causal" only. A causal block at global offsets is cut by
   `positions.split_causal_block` into at most three pieces (full rectangles and one top-left causal
-  square) whose states are merged (DESIGN §3) with `update_out_and_lse(..., inplace=True)`, which is
-  the fused merge kernel on CUDA. Rows that see no key stay `(0, -inf)`.
+  square) whose states are merged (DESIGN §3) in one pass by `state_parts.merge_parts` (a fused
+  kernel on CUDA), or into a caller's accumulators; `forward_parts` returns them unmerged, for a
+  caller that merges many blocks at once. Rows that see no key stay `(0, -inf)`.
 - GQA: K/V are repeated to `nheads` (a copy of K/V per call; the ops' GQA support varies between
   kernels and torch versions) and dk/dv are summed back over each group.
 - Backward with the global `out`/`lse` (DESIGN §6): the backward ops take them as they are, but they
@@ -34,6 +35,7 @@ What the ops cannot do, this module does around them:
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from functools import partial
 from collections.abc import Callable, Iterator
@@ -42,11 +44,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ringlse.block_torch import torch_block_backward, torch_block_forward
-from ringlse.blockop import BlockGrads, BlockOp, GradPart
+from ringlse.blockop import BlockGrads, BlockOp, GradPart, StatePart
 from ringlse.merge import update_out_and_lse
 from ringlse.part_sum import add_parts
 from ringlse.positions import Piece, split_causal_block
 from ringlse.reference import lse_dtype
+from ringlse.state_parts import merge_parts
 
 aten = torch.ops.aten
 
@@ -55,19 +58,27 @@ aten = torch.ops.aten
 # calling the aten ops by argument name (their positional order changed between torch versions)
 
 
+@functools.cache
+def _schema(op_name: str) -> tuple[object, tuple[tuple[str, bool], ...]]:
+    """`torch.ops.aten.<op_name>.default` and its arguments as `(name, required)` (read once: walking
+    the schema costs host time on every block call otherwise)."""
+    op = getattr(aten, op_name).default
+    return op, tuple((arg.name, not arg.has_default_value()) for arg in op._schema.arguments)
+
+
 def _call(op_name: str, **named):
     """Call `torch.ops.aten.<op_name>.default` with its arguments passed by schema name.
 
     Names the schema lacks are dropped (older torch); a required argument we have no value for
     raises TypeError, which makes the caller fall back to the next kernel.
     """
-    op = getattr(aten, op_name).default
+    op, args = _schema(op_name)
     kwargs = {}
-    for arg in op._schema.arguments:
-        if arg.name in named:
-            kwargs[arg.name] = named[arg.name]
-        elif not arg.has_default_value():
-            raise TypeError(f"{op_name}: no value for its argument {arg.name!r} (torch {torch.__version__})")
+    for name, required in args:
+        if name in named:
+            kwargs[name] = named[name]
+        elif required:
+            raise TypeError(f"{op_name}: no value for its argument {name!r} (torch {torch.__version__})")
     return op(**kwargs)
 
 
@@ -83,11 +94,13 @@ def _norm_lse(lse: torch.Tensor, sq: int) -> torch.Tensor:
     lse = lse[..., :sq]  # efficient attention pads sq to a multiple of 32
     if lse.dtype not in (torch.float32, torch.float64):
         lse = lse.float()
-    return torch.where(torch.isposinf(lse), torch.full_like(lse, float("-inf")), lse)
+    return lse.masked_fill(lse == float("inf"), float("-inf"))
 
 
+@functools.cache
 def _zero_rng(device: torch.device) -> torch.Tensor:
-    # dropout is 0, so the kernels never read the philox seed/offset; they still need tensors
+    # dropout is 0, so the kernels never read the philox seed/offset; they still need tensors (one
+    # per device, never written: a fill kernel per block call otherwise)
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
@@ -344,6 +357,30 @@ def _sum_groups(x: torch.Tensor, hkv: int) -> torch.Tensor:
     return x.reshape(b, s, hkv, h // hkv, d).sum(3, dtype=lse_dtype(x.dtype))
 
 
+def fused_block_states(
+    ks: _KernelSet,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool,
+    q_start: int,
+    k_start: int,
+) -> list[StatePart]:
+    """The block-op `forward_parts` (see `ringlse.blockop`) over a family of fused kernels: one state
+    per piece of the block, as the kernels return it (`out` in q's dtype), never merged."""
+    h = q.shape[2]
+    acc = lse_dtype(q.dtype)
+    states = []
+    with torch.no_grad():
+        k, v = _expand_kv(ks, k, h), _expand_kv(ks, v, h)
+        for p in _pieces(ks, q.shape[1], k.shape[1], q_start, k_start, causal):
+            out, lse = ks.forward(q[:, p.q0 : p.q1], k[:, p.k0 : p.k1], v[:, p.k0 : p.k1], p.causal, softmax_scale)
+            states.append(StatePart(p.q0, out, lse.to(acc)))
+    return states
+
+
 def fused_block_forward(
     ks: _KernelSet,
     q: torch.Tensor,
@@ -357,27 +394,17 @@ def fused_block_forward(
     out_acc: torch.Tensor | None = None,
     lse_acc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block-op forward (see `ringlse.blockop`) over a family of fused kernels."""
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
-    acc = lse_dtype(q.dtype)
+    """The block-op forward (see `ringlse.blockop`) over a family of fused kernels: the pieces' states
+    merged in one pass (a lone whole piece, the common case, as it is) or into the accumulators."""
+    states = fused_block_states(ks, q, k, v, softmax_scale=softmax_scale, causal=causal, q_start=q_start,
+                                k_start=k_start)
+    if out_acc is None:
+        return merge_parts(q.shape, states, q.dtype, q.device, lse_dtype(q.dtype))
     with torch.no_grad():
-        pieces = _pieces(ks, sq, sk, q_start, k_start, causal)
-        k, v = _expand_kv(ks, k, h), _expand_kv(ks, v, h)
-        own_state = out_acc is None
-        if own_state:
-            if len(pieces) == 1 and (pieces[0].q0, pieces[0].q1) == (0, sq):
-                p = pieces[0]  # the common case (full block, or the diagonal one): no merge at all
-                out, lse = ks.forward(q, k[:, p.k0 : p.k1], v[:, p.k0 : p.k1], p.causal, softmax_scale)
-                return out.contiguous(), lse.to(acc).contiguous()
-            out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-            lse_acc = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
-        for p in pieces:
-            out, lse = ks.forward(q[:, p.q0 : p.q1], k[:, p.k0 : p.k1], v[:, p.k0 : p.k1], p.causal, softmax_scale)
-            update_out_and_lse(out_acc[:, p.q0 : p.q1], lse_acc[:, :, p.q0 : p.q1], out, lse.to(acc), inplace=True)
-        if own_state:
-            return out_acc.to(q.dtype), lse_acc
-        return out_acc, lse_acc
+        for p in states:
+            rows = slice(p.start, p.start + p.out.shape[1])
+            update_out_and_lse(out_acc[:, rows], lse_acc[:, :, rows], p.out, p.lse, inplace=True)
+    return out_acc, lse_acc
 
 
 def fused_block_parts(
@@ -414,7 +441,7 @@ def fused_block_parts(
         e = None if lse_grad is None else lse_grad.to(acc)
         lse = lse.to(acc)
         # kernels compute P = exp(s - lse): +inf turns rows that saw nothing anywhere into P = 0
-        lse_k = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+        lse_k = lse.masked_fill(lse == float("-inf"), float("inf"))
         k, v = _expand_kv(ks, k, h), _expand_kv(ks, v, h)
         for p in pieces:
             rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
@@ -445,9 +472,10 @@ def fused_block_backward(ks: _KernelSet, dout, q, k, v, out, lse, delta, *, dq_a
 
 
 def fused_block_op(name: str, ks: _KernelSet) -> BlockOp:
-    """The block op (forward, accumulating backward, `backward_parts`) of a family of fused kernels."""
+    """The block op (forward, accumulating backward, `forward_parts`, `backward_parts`) of a family of
+    fused kernels."""
     return BlockOp(name, partial(fused_block_forward, ks), partial(fused_block_backward, ks), uses_delta=False,
-                   backward_parts=partial(fused_block_parts, ks))
+                   backward_parts=partial(fused_block_parts, ks), forward_parts=partial(fused_block_states, ks))
 
 
 SDPA_BLOCK_OP = fused_block_op("sdpa", SDPA_KERNELS)

@@ -1,8 +1,9 @@
 """Ring attention (DESIGN §6): exact attention over a sequence sharded across the ranks of a group.
 
 Forward, W steps: post the exchange of the current K/V (one packed buffer) with the ring neighbours,
-attend the local queries to the held K/V (merging into float32 accumulators inside the block op),
-wait, swap buffers. Backward reuses the global `out`/`lse`, computes `delta` once, brings the K/V
+attend the local queries to the held K/V (merging into float32 accumulators inside the block op, or,
+for ops that return their states as tensors, keeping them as parts merged once at the end), wait,
+swap buffers. Backward reuses the global `out`/`lse`, computes `delta` once, brings the K/V
 round the ring again, keeps `dq` locally and sends each block's `dk`/`dv` straight to the block's
 owner, which sums them once at the end (DESIGN §6 lets partial sums travel the ring instead; sending
 parts home costs the same transfers, needs no float32 accumulator per hop, and lets bf16 kernel
@@ -11,6 +12,9 @@ transfer. The block op is a parameter, so the same loop runs on gloo/CPU and NCC
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,17 +27,19 @@ from ringlse.part_sum import PartSum, sum_parts
 from ringlse.positions import BlockKind, block_kind
 from ringlse.reference import lse_dtype
 from ringlse.ring_comm import RingComm
+from ringlse.state_parts import StateMerge
 from ringlse.validation import SUPPORTED_DTYPES, check_qkv
 
 _KV_TAG, _DKV_TAG = 1, 2
 
 
-def _plans(layout: str, comm: RingComm, n: int, causal: bool) -> tuple[list[list[BlockCall]], list[list[BlockCall]]]:
-    """plans[s]: the block calls of step s, whose K/V came from rank (rank - s) mod W;
-    peer_plans[s]: those of rank (rank + s) mod W at its step s, when it holds our K/V."""
-    w, r = comm.world, comm.rank
-    plans = [plan_step(layout, r, (r - s) % w, w, n, causal) for s in range(w)]
-    peer_plans = [plan_step(layout, (r + s) % w, r, w, n, causal) for s in range(w)]
+@functools.lru_cache(maxsize=64)
+def _plans(layout: str, rank: int, world: int, n: int, causal: bool) -> tuple[tuple[tuple[BlockCall, ...], ...], ...]:
+    """`(plans, peer_plans)`: plans[s] are the block calls of step s, whose K/V came from rank
+    (rank - s) mod W; peer_plans[s] those of rank (rank + s) mod W at its step s, when it holds our
+    K/V. Cached: the same shapes come back on every call of a training run."""
+    plans = tuple(tuple(plan_step(layout, rank, (rank - s) % world, world, n, causal)) for s in range(world))
+    peer_plans = tuple(tuple(plan_step(layout, (rank + s) % world, rank, world, n, causal)) for s in range(world))
     return plans, peer_plans
 
 
@@ -43,7 +49,7 @@ def _event() -> torch.cuda.Event:
     return ev
 
 
-def _rows_read(plan: list[BlockCall]) -> tuple[int, int]:
+def _rows_read(plan: Sequence[BlockCall]) -> tuple[int, int]:
     """The key rows `[k0, k1)` a step's calls read (empty when it has none)."""
     return (min(c.k0 for c in plan), max(c.k1 for c in plan)) if plan else (0, 0)
 
@@ -93,15 +99,21 @@ def _held_blocks(comm: RingComm, kv_own: torch.Tensor, bufs: list[torch.Tensor],
             last_read[s % 3] = _event()
 
 
-def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, check,
+def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, agree,
                   pull: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 0 (the own block) is queued before `check()` waits for the ranks' agreement, and the
-    first K/V transfer waits only for the packed K/V, so neither the agreement nor the first
-    transfer leaves the GPU idle."""
+    """`(out, lse)`: out in q's dtype when the op returns its states as parts (merged once at the
+    end), else the float32 accumulator the op merged into.
+
+    Half of step 0 (the own block) is queued before the ranks' agreement is posted (`agree()`, which
+    returns its `check()`) and waited for, the other half after the first K/V transfer is posted, and
+    that transfer waits only for the packed K/V, so neither the agreement nor the first transfer
+    leaves the GPU idle."""
     b, n, h, d = q.shape
     acc = lse_dtype(q.dtype)
-    out = torch.zeros((b, n, h, d), dtype=acc, device=q.device)
-    lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
+    states = StateMerge(q.shape, acc, q.device) if op.forward_parts is not None else None
+    if states is None:
+        out = torch.zeros((b, n, h, d), dtype=acc, device=q.device)
+        lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
     # one contiguous buffer per step: a single send and a single receive, or published for pulls
     pulled = PulledKV(comm, k, v) if pull else None
     kv = pulled.kv if pulled is not None else torch.stack([k, v])
@@ -114,20 +126,25 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, che
 
     def attend(plan, kv):
         for c in plan:
-            op.forward(
-                q[:, c.q0:c.q1], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1], softmax_scale=scale,
-                causal=c.causal, q_start=c.q_start, k_start=c.k_start,
-                out_acc=out[:, c.q0:c.q1], lse_acc=lse[:, :, c.q0:c.q1],
-            )
+            qc, kc, vc = q[:, c.q0:c.q1], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1]
+            block = dict(softmax_scale=scale, causal=c.causal, q_start=c.q_start, k_start=c.k_start)
+            if states is not None:
+                for part in op.forward_parts(qc, kc, vc, **block):
+                    states.add(part, c.q0)
+            else:
+                op.forward(qc, kc, vc, **block, out_acc=out[:, c.q0:c.q1], lse_acc=lse[:, :, c.q0:c.q1])
 
-    attend(plans[0][:1], kv)
-    check()  # every rank raises here on bad or mismatched inputs, before any K/V moves
+    # the own block in two halves of its query rows: the first runs while the ranks agree, the
+    # second while the first K/V pull is in flight (queued after the agreement, which K/V may not pass)
+    own_first, own_last = _split_rows(plans[0], n // 2) if comm.world > 1 else (plans[0], [])
+    attend(own_first, kv)
+    agree()()  # every rank raises here on bad or mismatched inputs, before any K/V moves
     for s, held in _held_blocks(comm, kv, bufs, ready, plans, pulled):
-        attend(plans[s][1:] if s == 0 else plans[s], held)
-    return out, lse
+        attend(own_last if s == 0 else plans[s], held)
+    return states.result(q.dtype) if states is not None else (out, lse)
 
 
-def _split_rows(plan: list[BlockCall], m: int) -> tuple[list[BlockCall], list[BlockCall]]:
+def _split_rows(plan: Sequence[BlockCall], m: int) -> tuple[list[BlockCall], list[BlockCall]]:
     """The calls of `plan` restricted to local query rows `[0, m)` and `[m, n)`, keys trimmed to what
     those rows can see (a causal piece may become full or vanish)."""
     halves: tuple[list[BlockCall], list[BlockCall]] = ([], [])
@@ -186,7 +203,7 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
                   lse_grad=None if lse_grad is None else lse_grad[:, :, rows])
         return args, kw
 
-    def attend_own(plan: list[BlockCall]) -> None:
+    def attend_own(plan: Sequence[BlockCall]) -> None:
         for c in plan:
             args, kw = call_args(c, kv_own)
             if op.backward_parts is None:
@@ -198,7 +215,7 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
                 for p in parts:
                     total.add(p, offset)
 
-    def attend_remote(plan: list[BlockCall], kv: torch.Tensor) -> list[torch.Tensor]:
+    def attend_remote(plan: Sequence[BlockCall], kv: torch.Tensor) -> list[torch.Tensor]:
         """Attend to a held K/V block; returns the dk, dv messages for its owner, per call."""
         messages = []
         for c in plan:
@@ -250,9 +267,9 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, peer_plans, with_lse: bool, pull: bool,
-                check):
+                agree):
         ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero gradient
-        out_acc, lse = _ring_forward(q, k, v, op, scale, comm, plans, check, pull)
+        out_acc, lse = _ring_forward(q, k, v, op, scale, comm, plans, agree, pull)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (op, scale, comm, plans, peer_plans, with_lse, pull)
@@ -325,7 +342,7 @@ def ring_attention(
         ValueError: on every rank, before any K/V moves, when a rank's inputs are invalid (shapes,
             dtypes, devices, divisibility) or the ranks disagree on shapes/dtype/options.
     """
-    comm = RingComm(group)
+    comm = RingComm.for_group(group)
     layout = default_layout(causal) if layout is None else layout
     error = _local_error(q, k, v, layout, comm) if layout in LAYOUTS else f"unknown layout {layout!r}; choose one of {LAYOUTS}"
     try:  # every rank of an NCCL group, whatever its inputs: the first call per group is collective
@@ -342,9 +359,11 @@ def ring_attention(
     shapes = [*q.shape, *k.shape] if error is None else [-1] * 8
     meta = [*shapes, _DTYPE_CODES.get(q.dtype, -1) if error is None else -1, int(causal),
             _LAYOUT_CODES.get(layout, -1), round((scale or 0.0) * 2**30), int(return_lse), int(pull)]
-    check = comm.post_agreement(meta, error)
     if error is not None:
-        check()  # raises on every rank; the others raise in their check() below
-    plans, peer_plans = _plans(layout, comm, q.shape[1], causal)
-    out, lse = _RingAttention.apply(q, k, v, op, scale, comm, plans, peer_plans, return_lse, pull, check)
+        comm.post_agreement(meta, error)()  # raises on every rank; the others raise in the forward below
+    plans, peer_plans = _plans(layout, comm.rank, comm.world, q.shape[1], causal)
+    # this rank's inputs are valid, so the forward queues its first kernels before it posts the
+    # agreement: host time spent before the GPU's first kernel is time every call takes
+    agree = functools.partial(comm.post_agreement, meta, None)
+    out, lse = _RingAttention.apply(q, k, v, op, scale, comm, plans, peer_plans, return_lse, pull, agree)
     return (out, lse) if return_lse else out

@@ -39,8 +39,26 @@ def nccl_options():
     return options
 
 
+_COMMS: dict[object, RingComm] = {}
+
+
 class RingComm:
-    """Sends to rank+1 and receives from rank-1 within `group` (global ranks for point-to-point)."""
+    """Sends to rank+1 and receives from rank-1 within `group` (global ranks for point-to-point).
+
+    `agree_on_host`: the agreement's gather runs on a gloo group of the same ranks (NCCL groups,
+    when gloo is available), so it never waits for the GPU; otherwise on the group itself."""
+
+    @classmethod
+    def for_group(cls, group: dist.ProcessGroup | None) -> RingComm:
+        """The `RingComm` of `group`, made once per group object (its queries of the process group
+        and the agreement's gloo group cost host time on every call otherwise)."""
+        key = group
+        if group is None and dist.is_available() and dist.is_initialized():
+            key = dist.group.WORLD  # a new object after the default group is re-created
+        comm = _COMMS.get(key)
+        if comm is None:
+            comm = _COMMS[key] = cls(group)
+        return comm
 
     def __init__(self, group: dist.ProcessGroup | None):
         if dist.is_available() and dist.is_initialized():
@@ -59,6 +77,8 @@ class RingComm:
         self.next = self.global_ranks[(self.rank + 1) % self.world]
         self.prev = self.global_ranks[(self.rank - 1) % self.world]
         self._stream: torch.cuda.Stream | None = None
+        self.agree_on_host = self.backend not in (None, "gloo") and dist.is_gloo_available()
+        self._host_group: dist.ProcessGroup | None = None
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -105,27 +125,31 @@ class RingComm:
         ranks; returns `check()`, which raises ValueError on every rank if any rank has an error or
         any two disagree (the same decision everywhere), and returns quietly otherwise.
 
-        On NCCL the gather runs on a side stream and `check()` waits for it alone, not for kernels
-        queued on the current stream, so a caller can queue local work before checking."""
+        The gather runs on the host (gloo: the group itself, or for NCCL a gloo group of the same
+        ranks made on first use, which is collective), so `check()` waits for the other ranks' hosts
+        only, never for kernels. Without gloo an NCCL group gathers on a side stream, and `check()`
+        waits for that gather alone, not for kernels queued on the current stream. Either way a caller
+        can queue local work before checking."""
         if self.world == 1:
             def check_alone() -> None:
                 if error is not None:
                     raise ValueError(error)
             return check_alone
         row = [0 if error is None else 1, *meta]
-        if self.backend != "nccl":
+        if self.backend == "gloo" or self.agree_on_host:
             table_cpu = torch.empty((self.world, len(row)), dtype=torch.int64)
             rows = list(table_cpu.unbind(0))
-            work = dist.all_gather(rows, torch.tensor(row, dtype=torch.int64), group=self.group, async_op=True)
+            work = dist.all_gather(rows, torch.tensor(row, dtype=torch.int64), group=self._agreement_group(),
+                                   async_op=True)
 
-            def check_gloo() -> None:
+            def check_host() -> None:
                 work.wait()
                 self._decide(table_cpu, error)
-            return check_gloo
+            return check_host
         # NCCL only moves CUDA tensors; decide the device from the group, not from (maybe bad) inputs
         stream = self._side_stream()
         with torch.cuda.stream(stream):
-            row_gpu = torch.tensor(row, dtype=torch.int64, device="cuda")
+            row_gpu = torch.tensor(row, dtype=torch.int64).pin_memory().to("cuda", non_blocking=True)
             table = torch.empty((self.world, len(row)), dtype=torch.int64, device="cuda")
             dist.all_gather_into_tensor(table, row_gpu, group=self.group)
             table_cpu = torch.empty(table.shape, dtype=torch.int64, pin_memory=True)
@@ -140,15 +164,25 @@ class RingComm:
             self._decide(table_cpu, error)
         return check_nccl
 
+    def _agreement_group(self) -> dist.ProcessGroup | None:
+        if self.backend == "gloo":
+            return self.group
+        if self._host_group is None:
+            # only the members take part (every one of them reaches its first agreement together)
+            self._host_group = dist.new_group(self.global_ranks, backend="gloo", use_local_synchronization=True)
+        return self._host_group
+
     def _decide(self, table: torch.Tensor, error: str | None) -> None:
         if error is not None:
             raise ValueError(f"rank {self.rank}: {error}")
-        bad = [r for r in range(self.world) if table[r, 0] != 0]
+        rows = table.tolist()  # plain lists: comparing tensors row by row costs host time per call
+        bad = [r for r in range(self.world) if rows[r][0] != 0]
         if bad:
             raise ValueError(f"rank {self.rank}: ranks {bad} reported invalid input (see their errors)")
-        differs = [r for r in range(self.world) if not torch.equal(table[r, 1:], table[self.rank, 1:])]
+        mine = rows[self.rank][1:]
+        differs = [r for r in range(self.world) if rows[r][1:] != mine]
         if differs:
             raise ValueError(
-                f"rank {self.rank}: ranks disagree on shapes/dtype/options: mine {table[self.rank, 1:].tolist()}, "
-                + ", ".join(f"rank {r} {table[r, 1:].tolist()}" for r in differs)
+                f"rank {self.rank}: ranks disagree on shapes/dtype/options: mine {mine}, "
+                + ", ".join(f"rank {r} {rows[r][1:]}" for r in differs)
             )

@@ -61,9 +61,11 @@ def battery(rank, world, cases: list[dict]) -> list:
     return [check_case(rank, world, c) for c in cases]
 
 
-def expect_value_errors(rank, world, layout_bad_n: int) -> list[tuple[str, bool, str]]:
-    """Each bad input must raise ValueError on every rank (and then the group still works)."""
+def expect_value_errors(rank, world, layout_bad_n: int, agree_on_host: bool = True) -> list[tuple[str, bool, str]]:
+    """Each bad input must raise ValueError on every rank (and then the group still works).
+    `agree_on_host=False`: an NCCL group gathers the agreement on the GPU (its path without gloo)."""
     results = []
+    ringlse.ring_comm.RingComm.for_group(None).agree_on_host &= agree_on_host
 
     def attempt(name, fn):
         try:
