@@ -99,15 +99,15 @@ def _held_blocks(comm: RingComm, kv_own: torch.Tensor, bufs: list[torch.Tensor],
             last_read[s % 3] = _event()
 
 
-def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, agree,
+def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, check,
                   pull: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out, lse)`: out in q's dtype when the op returns its states as parts (merged once at the
     end), else the float32 accumulator the op merged into.
 
-    Half of step 0 (the own block) is queued before the ranks' agreement is posted (`agree()`, which
-    returns its `check()`) and waited for, the other half after the first K/V transfer is posted, and
-    that transfer waits only for the packed K/V, so neither the agreement nor the first transfer
-    leaves the GPU idle."""
+    Step 0 (the own block) is queued before `check()` waits for the ranks' agreement, and the first
+    K/V transfer waits only for the packed K/V, so neither the agreement nor the first transfer
+    leaves the GPU idle. (Splitting the own block so that its second half hides the first pull
+    measured slower on 4xH200: the agreement's wait then outlasts the first half; NOTES.md.)"""
     b, n, h, d = q.shape
     acc = lse_dtype(q.dtype)
     states = StateMerge(q.shape, acc, q.device) if op.forward_parts is not None else None
@@ -134,13 +134,10 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, agr
             else:
                 op.forward(qc, kc, vc, **block, out_acc=out[:, c.q0:c.q1], lse_acc=lse[:, :, c.q0:c.q1])
 
-    # the own block in two halves of its query rows: the first runs while the ranks agree, the
-    # second while the first K/V pull is in flight (queued after the agreement, which K/V may not pass)
-    own_first, own_last = _split_rows(plans[0], n // 2) if comm.world > 1 else (plans[0], [])
-    attend(own_first, kv)
-    agree()()  # every rank raises here on bad or mismatched inputs, before any K/V moves
+    attend(plans[0][:1], kv)
+    check()  # every rank raises here on bad or mismatched inputs, before any K/V moves
     for s, held in _held_blocks(comm, kv, bufs, ready, plans, pulled):
-        attend(own_last if s == 0 else plans[s], held)
+        attend(plans[s][1:] if s == 0 else plans[s], held)
     return states.result(q.dtype) if states is not None else (out, lse)
 
 
@@ -267,9 +264,9 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, peer_plans, with_lse: bool, pull: bool,
-                agree):
+                check):
         ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero gradient
-        out_acc, lse = _ring_forward(q, k, v, op, scale, comm, plans, agree, pull)
+        out_acc, lse = _ring_forward(q, k, v, op, scale, comm, plans, check, pull)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (op, scale, comm, plans, peer_plans, with_lse, pull)
@@ -359,11 +356,9 @@ def ring_attention(
     shapes = [*q.shape, *k.shape] if error is None else [-1] * 8
     meta = [*shapes, _DTYPE_CODES.get(q.dtype, -1) if error is None else -1, int(causal),
             _LAYOUT_CODES.get(layout, -1), round((scale or 0.0) * 2**30), int(return_lse), int(pull)]
+    check = comm.post_agreement(meta, error)
     if error is not None:
-        comm.post_agreement(meta, error)()  # raises on every rank; the others raise in the forward below
+        check()  # raises on every rank; the others raise in their check() below
     plans, peer_plans = _plans(layout, comm.rank, comm.world, q.shape[1], causal)
-    # this rank's inputs are valid, so the forward queues its first kernels before it posts the
-    # agreement: host time spent before the GPU's first kernel is time every call takes
-    agree = functools.partial(comm.post_agreement, meta, None)
-    out, lse = _RingAttention.apply(q, k, v, op, scale, comm, plans, peer_plans, return_lse, pull, agree)
+    out, lse = _RingAttention.apply(q, k, v, op, scale, comm, plans, peer_plans, return_lse, pull, check)
     return (out, lse) if return_lse else out
