@@ -35,9 +35,8 @@ What the ops cannot do, this module does around them:
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
-from functools import partial
+from functools import cache, partial
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -58,7 +57,7 @@ aten = torch.ops.aten
 # calling the aten ops by argument name (their positional order changed between torch versions)
 
 
-@functools.cache
+@cache
 def _schema(op_name: str) -> tuple[object, tuple[tuple[str, bool], ...]]:
     """`torch.ops.aten.<op_name>.default` and its arguments as `(name, required)` (read once: walking
     the schema costs host time on every block call otherwise)."""
@@ -97,7 +96,7 @@ def _norm_lse(lse: torch.Tensor, sq: int) -> torch.Tensor:
     return lse.masked_fill(lse == float("inf"), float("-inf"))
 
 
-@functools.cache
+@cache
 def _zero_rng(device: torch.device) -> torch.Tensor:
     # dropout is 0, so the kernels never read the philox seed/offset; they still need tensors (one
     # per device, never written: a fill kernel per block call otherwise)
