@@ -13,29 +13,16 @@ On CUDA the pass is the `ringlse.kernels.sum_parts` kernel; elsewhere (or withou
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 
 import torch
 
 from ringlse.blockop import GradPart
+from ringlse.kernel_import import kernel_module
 
 # parts kept before they are folded into the float32 accumulator (bounds the memory held to
 # this many block gradients; the kernel sums this many in one launch)
 MAX_PENDING = 8
-
-
-def _kernel_module():
-    global _KERNEL
-    if _KERNEL is None:
-        try:
-            _KERNEL = importlib.import_module("ringlse.kernels.sum_parts")
-        except ImportError:  # no triton (or a source tree without `pip install -e .`): PyTorch serves
-            _KERNEL = False
-    return _KERNEL or None
-
-
-_KERNEL = None
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -60,7 +47,7 @@ def sum_parts(
         p = parts[0]
         if p.start == 0 and p.scale == 1.0 and p.value.dtype == dtype and tuple(p.value.shape) == tuple(shape):
             return p.value.contiguous()
-    kernel = _kernel_module() if torch.device(device).type == "cuda" else None
+    kernel = kernel_module("sum_parts") if torch.device(device).type == "cuda" else None
     if kernel is not None and acc_dtype == torch.float32 and dtype in _KERNEL_DTYPES and parts and all(
         p.value.dtype in _KERNEL_DTYPES for p in parts
     ):

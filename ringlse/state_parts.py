@@ -13,29 +13,17 @@ PyTorch merge of `ringlse.merge`.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
+
 import torch
 
 from ringlse.blockop import StatePart
+from ringlse.kernel_import import kernel_module
 from ringlse.merge import update_out_and_lse
 
 # parts kept before they are folded into a float32 state (bounds the memory held to this many
 # block outputs; the kernel merges this many in one launch)
 MAX_PENDING = 8
-
-
-def _kernel_module():
-    global _KERNEL
-    if _KERNEL is None:
-        try:
-            _KERNEL = importlib.import_module("ringlse.kernels.merge_parts")
-        except ImportError:  # no triton (or a source tree without `pip install -e .`): PyTorch serves
-            _KERNEL = False
-    return _KERNEL or None
-
-
-_KERNEL = None
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -62,7 +50,7 @@ def merge_parts(
         p = parts[0]
         if p.start == 0 and tuple(p.out.shape) == tuple(shape) and p.out.dtype == dtype and p.lse.dtype == acc_dtype:
             return p.out.contiguous(), p.lse.contiguous()
-    kernel = _kernel_module() if torch.device(device).type == "cuda" else None
+    kernel = kernel_module("merge_parts") if torch.device(device).type == "cuda" else None
     if kernel is not None and acc_dtype == torch.float32 and dtype in _KERNEL_DTYPES and parts and all(
         p.out.dtype in _KERNEL_DTYPES and p.lse.dtype == torch.float32 for p in parts
     ):
