@@ -16,10 +16,12 @@ but the CPU kernels let every line of this module be tested without a GPU.
 
 What the ops cannot do, this module does around them:
 - Masks: the ops know "no mask" and "top-left causal" only. A causal block at global offsets is cut by
-  `positions.split_causal_block` into at most three pieces (full rectangles and one top-left causal
-  square) whose states are merged (DESIGN §3) in one pass by `state_parts.merge_parts` (a fused
-  kernel on CUDA), or into a caller's accumulators; `forward_parts` returns them unmerged, for a
-  caller that merges many blocks at once. Rows that see no key stay `(0, -inf)`.
+  `positions.split_causal_block_top_left` into at most two pieces (the keys every row sees, and one
+  top-left causal piece of any shape) whose states are merged (DESIGN §3) in one pass by
+  `state_parts.merge_parts` (a fused kernel on CUDA), or into a caller's accumulators;
+  `forward_parts` returns them unmerged, for a caller that merges many blocks at once. Rows that see
+  no key stay `(0, -inf)`. PyTorch's CUDA flash kernel aligns a non-square causal mask bottom-right
+  (measured, torch 2.11), so it gets top-left pieces of other shapes as squares plus full rectangles.
 - GQA: K/V are repeated to `nheads` (a copy of K/V per call; the ops' GQA support varies between
   kernels and torch versions) and dk/dv are summed back over each group.
 - Backward with the global `out`/`lse` (DESIGN §6): the backward ops take them as they are, but they
@@ -46,7 +48,7 @@ from ringlse.block_torch import torch_block_backward, torch_block_forward
 from ringlse.blockop import BlockGrads, BlockOp, GradPart, StatePart
 from ringlse.merge import update_out_and_lse
 from ringlse.part_sum import add_parts
-from ringlse.positions import Piece, split_causal_block
+from ringlse.positions import Piece, split_causal_block, split_causal_block_top_left
 from ringlse.reference import lse_dtype
 from ringlse.state_parts import merge_parts
 
@@ -148,6 +150,12 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 def _flash_forward(q, k, v, causal, scale):
+    sq, sk = q.shape[1], k.shape[1]
+    if causal and sq < sk:  # top-left: keys past the last query are never seen
+        return _flash_forward(q, k[:, :sq], v[:, :sq], True, scale)
+    if causal and sq > sk:  # top-left: the square, then rows that see every key
+        (o1, l1), (o2, l2) = _flash_forward(q[:, :sk], k, v, True, scale), _flash_forward(q[:, sk:], k, v, False, scale)
+        return torch.cat([o1, o2], 1), torch.cat([l1, l2], 2)
     r = _call(
         "_scaled_dot_product_flash_attention",
         query=_bhsd(q), key=_bhsd(k), value=_bhsd(v), dropout_p=0.0, is_causal=causal,
@@ -157,6 +165,15 @@ def _flash_forward(q, k, v, causal, scale):
 
 
 def _flash_backward(dout, q, k, v, out, lse, causal, scale):
+    sq, sk = q.shape[1], k.shape[1]
+    if causal and sq != sk:  # top-left, as `_flash_forward` cuts it
+        m = min(sq, sk)
+        dq, dk, dv = _flash_backward(dout[:, :m], q[:, :m], k[:, :m], v[:, :m], out[:, :m], lse[:, :, :m], True, scale)
+        if sq < sk:
+            pad = lambda x: torch.cat([x, x.new_zeros((x.shape[0], sk - sq, *x.shape[2:]))], 1)
+            return dq, pad(dk), pad(dv)
+        dq2, dk2, dv2 = _flash_backward(dout[:, sk:], q[:, sk:], k, v, out[:, sk:], lse[:, :, sk:], False, scale)
+        return torch.cat([dq, dq2], 1), dk + dk2, dv + dv2
     rng = _zero_rng(q.device)
     dq, dk, dv = _call(
         "_scaled_dot_product_flash_attention_backward",
@@ -318,8 +335,8 @@ class _KernelSet:
     forward: Callable  # (q, k, v, causal, scale) -> (out, lse)
     backward: Callable  # (dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)
     native_gqa: bool  # kernels take fewer K/V heads than Q heads
-    # (sq, sk, q_start, k_start) -> pieces of a causal block; a causal piece is bottom-right aligned
-    # (key j visible to query i iff j <= i + (k1 - k0) - (q1 - q0)), which is top-left on a square
+    # (sq, sk, q_start, k_start) -> pieces of a causal block, each causal piece aligned as the kernels
+    # align it: top-left for the SDPA kernels; flash-attn's are bottom-right (top-left on a square)
     causal_pieces: Callable[[int, int, int, int], list[Piece]] = split_causal_block
 
 
@@ -327,6 +344,7 @@ SDPA_KERNELS = _KernelSet(
     forward=lambda q, k, v, causal, scale: _run("forward", q, q, k, v, causal, scale),
     backward=lambda dout, q, k, v, out, lse, causal, scale: _run("backward", q, dout, q, k, v, out, lse, causal, scale),
     native_gqa=False,
+    causal_pieces=split_causal_block_top_left,
 )
 
 

@@ -42,13 +42,15 @@ def block_kind(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int, causal:
 
 
 class Piece(NamedTuple):
-    """A rectangle `q[q0:q1] x k[k0:k1]` that is either fully visible or a top-left causal square."""
+    """A rectangle `q[q0:q1] x k[k0:k1]` that is either fully visible or top-left causal (key j
+    visible to query i iff j <= i, local to the piece): a square from `split_causal_block`, any shape
+    from `split_causal_block_top_left`."""
 
     q0: int
     q1: int
     k0: int
     k1: int
-    causal: bool  # True: square, key j visible to query i iff j <= i (local to the piece)
+    causal: bool
 
 
 def split_causal_block(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int) -> list[Piece]:
@@ -74,4 +76,22 @@ def split_causal_block(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int)
         # rows past the square see every remaining key
         if i0 + diag < seqlen_q and full_keys + diag == seqlen_k:
             pieces.append(Piece(i0 + diag, seqlen_q, full_keys, seqlen_k, False))
+    return pieces
+
+
+def split_causal_block_top_left(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int) -> list[Piece]:
+    """Cover the visible part of a causal block with at most two pieces, for kernels whose causal mask
+    is top-left aligned on any shape (PyTorch's cuDNN, memory-efficient and math kernels): the keys
+    every live row sees, then one top-left causal piece of the rest (rows past its diagonal see all
+    of its keys, as top-left alignment has it). Rows before `i0` see nothing and are left out."""
+    offset = q_start - k_start
+    i0 = max(0, -offset)
+    if i0 >= seqlen_q:
+        return []
+    full_keys = min(seqlen_k, max(offset, 0))  # row i0 + r sees keys j <= full_keys + r
+    pieces: list[Piece] = []
+    if full_keys > 0:
+        pieces.append(Piece(i0, seqlen_q, 0, full_keys, False))
+    if full_keys < seqlen_k:
+        pieces.append(Piece(i0, seqlen_q, full_keys, seqlen_k, True))
     return pieces

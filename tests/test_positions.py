@@ -1,4 +1,5 @@
-"""The causal position rule (DESIGN §4): `visibility_mask`, `block_kind`, `split_causal_block`.
+"""The causal position rule (DESIGN §4): `visibility_mask`, `block_kind`, `split_causal_block` and
+`split_causal_block_top_left`.
 
 Everything is checked exhaustively on small sizes against a brute-force Python statement of the rule,
 `k_start + j <= q_start + i`, so a wrong offset sign or an off-by-one shows up as a concrete cell.
@@ -11,7 +12,20 @@ import itertools
 import pytest
 import torch
 
-from ringlse.positions import BlockKind, Piece, block_kind, split_causal_block, visibility_mask
+from ringlse.positions import (
+    BlockKind,
+    Piece,
+    block_kind,
+    split_causal_block,
+    split_causal_block_top_left,
+    visibility_mask,
+)
+
+# (function, most pieces, causal pieces must be square)
+SPLITS = [
+    pytest.param(split_causal_block, 3, True, id="squares"),
+    pytest.param(split_causal_block_top_left, 2, False, id="top-left"),
+]
 
 SIZES = [0, 1, 2, 3, 5, 8]
 # offsets q_start - k_start from "every query precedes every key" to "every query follows every key"
@@ -82,18 +96,18 @@ def test_block_kind_named_cases(sq, sk, q_start, k_start, kind):
     assert block_kind(sq, sk, q_start, k_start, True) is kind
 
 
-def _check_pieces(sq: int, sk: int, q_start: int, k_start: int, pieces: list[Piece]) -> None:
+def _check_pieces(sq: int, sk: int, q_start: int, k_start: int, pieces: list[Piece], most: int, square: bool) -> None:
     vis = brute_visible(sq, sk, q_start, k_start)
     covered: list[tuple[int, int]] = []
-    assert len(pieces) <= 3
+    assert len(pieces) <= most
     for p in pieces:
         assert isinstance(p, Piece)
         # a piece is a non-empty rectangle inside the block
         assert 0 <= p.q0 < p.q1 <= sq and 0 <= p.k0 < p.k1 <= sk, p
         if p.causal:
-            # a plain kernel's top-left causal mask on a square: local key j visible iff j <= i
-            assert p.q1 - p.q0 == p.k1 - p.k0, p
-            covered += [(p.q0 + i, p.k0 + j) for i in range(p.q1 - p.q0) for j in range(i + 1)]
+            # a plain kernel's top-left causal mask: local key j visible iff j <= i
+            assert not square or p.q1 - p.q0 == p.k1 - p.k0, p
+            covered += [(p.q0 + i, p.k0 + j) for i in range(p.q1 - p.q0) for j in range(min(i + 1, p.k1 - p.k0))]
         else:
             covered += [(i, j) for i in range(p.q0, p.q1) for j in range(p.k0, p.k1)]
     # exactly the visible set, and no cell twice (a cell counted twice would be merged twice)
@@ -101,12 +115,13 @@ def _check_pieces(sq: int, sk: int, q_start: int, k_start: int, pieces: list[Pie
     assert set(covered) == vis, ("cover", pieces)
 
 
+@pytest.mark.parametrize(("split", "most", "square"), SPLITS)
 @pytest.mark.parametrize(("sq", "sk"), _cases())
-def test_split_causal_block_covers_visible_set_exactly(sq, sk):
+def test_split_causal_block_covers_visible_set_exactly(sq, sk, split, most, square):
     for off, (base_q, base_k) in itertools.product(OFFSETS, STARTS):
         q_start, k_start = base_q + max(off, 0), base_k + max(-off, 0)
-        pieces = split_causal_block(sq, sk, q_start, k_start)
-        _check_pieces(sq, sk, q_start, k_start, pieces)
+        pieces = split(sq, sk, q_start, k_start)
+        _check_pieces(sq, sk, q_start, k_start, pieces, most, square)
         if not brute_visible(sq, sk, q_start, k_start):
             assert pieces == []
 
@@ -121,13 +136,16 @@ def test_split_causal_block_covers_visible_set_exactly(sq, sk):
         pytest.param(7, 1025, 500, 0, id="7x1025-mid"),
     ],
 )
-def test_split_causal_block_awkward_sizes(sq, sk, q_start, k_start):
+@pytest.mark.parametrize(("split", "most", "square"), SPLITS)
+def test_split_causal_block_awkward_sizes(sq, sk, q_start, k_start, split, most, square):
     # too big for the set-based check: compare coverage counts as tensors instead
     count = torch.zeros(sq, sk, dtype=torch.int32)
-    for p in split_causal_block(sq, sk, q_start, k_start):
+    pieces = split(sq, sk, q_start, k_start)
+    assert len(pieces) <= most
+    for p in pieces:
         blk = torch.ones(p.q1 - p.q0, p.k1 - p.k0, dtype=torch.int32)
         if p.causal:
-            assert p.q1 - p.q0 == p.k1 - p.k0
+            assert not square or p.q1 - p.q0 == p.k1 - p.k0
             blk = torch.tril(blk)
         count[p.q0 : p.q1, p.k0 : p.k1] += blk
     assert torch.equal(count, visibility_mask(sq, sk, q_start, k_start).to(torch.int32))
