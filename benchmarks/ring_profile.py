@@ -70,6 +70,37 @@ def call_timing(call, reps: int) -> str:
             f"back to back {start.elapsed_time(end) / reps:.2f} ms/call")
 
 
+def idle_gaps(prof, min_us: float) -> list[str]:
+    """The compute stream's idle stretches of at least `min_us` in the first profiled call: the stream
+    that ran the most attention time; calls are told apart by gaps over 2 ms (the barrier between them)."""
+    by_stream: dict[int, list] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and category(e.name) not in ("nccl", "copy-engine"):
+            by_stream[e.device_resource_id].append(e)
+    if not by_stream:
+        return []
+    is_attention = lambda e: category(e.name) == "attention"
+    events = sorted(max(by_stream.values(), key=lambda evs: sum(e.time_range.elapsed_us() for e in evs
+                                                                   if is_attention(e))),
+                    key=lambda e: e.time_range.start)
+    calls, current = [], [events[0]]
+    for e in events[1:]:
+        if e.time_range.start - current[-1].time_range.end > 2000:  # the barrier before the next call
+            calls.append(current)
+            current = []
+        current.append(e)
+    calls.append(current)
+    call = next((c for c in calls if any(is_attention(e) for e in c)), calls[0])
+    t0, out = call[0].time_range.start, []
+    for prev, e in zip(call, call[1:]):
+        gap = e.time_range.start - prev.time_range.end
+        if gap >= min_us:
+            out.append(f"    idle {gap:7.1f} us at +{(prev.time_range.end - t0) / 1e3:6.3f} ms: "
+                       f"{prev.name[:40]} -> {e.name[:40]}")
+    out.append(f"    first call: {(call[-1].time_range.end - t0) / 1e3:.3f} ms from its first kernel to its last")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="triton")
@@ -86,6 +117,9 @@ def main() -> None:
                    help="profile calls that start on an idle GPU after a barrier, as benchmarks/ring.py times them "
                         "(default: back to back), and record GPU activity only (less host overhead)")
     p.add_argument("--ops", action="store_true", help="rank 0 also prints the top operators by GPU time, with shapes")
+    p.add_argument("--gaps", type=float, default=0.0, metavar="US",
+                   help="also print, per rank, where the compute stream sat idle for at least US microseconds in the "
+                        "first profiled call (offset from that call's first kernel, the kernels around the gap)")
     args = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
@@ -143,6 +177,8 @@ def main() -> None:
     lines = [f"rank {rank}: unprofiled: {timing}", f"rank {rank}: profiled wall {wall_ms:.2f} ms/call, compute busy {compute_busy_ms:.2f} ms "
              f"(idle {wall_ms - compute_busy_ms:.2f}); " + ", ".join(f"{c} {t:.2f}" for c, t in sorted(per_cat.items()))]
     lines += [f"    {t:8.3f} ms  {name}" for name, t in sorted(per_kernel.items(), key=lambda x: -x[1])[:8]]
+    if args.gaps > 0:
+        lines += idle_gaps(prof, args.gaps)
     gathered = [None] * world
     dist.all_gather_object(gathered, "\n".join(lines))
     if rank == 0:

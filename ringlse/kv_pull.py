@@ -9,10 +9,11 @@ s copies the rows it will read of rank (rank - s)'s block straight from that buf
 neighbour, so no transfer waits for another, and a zigzag rank that only sees the first half of a
 block pulls only that half.
 
-Synchronisation: K/V are packed straight into our buffer (two regions, alternate calls; see
-`PulledKV`), then on one high-priority side stream per device a GPU-side barrier of the group (every
+Synchronisation: on one high-priority side stream per device, K/V are packed straight into our
+buffer (two regions, alternate calls; see `PulledKV`), then a GPU-side barrier of the group (every
 buffer is published) and the pulls, each waiting only for the last reader of the local buffer it
-fills. The compute stream waits for a pull's event.
+fills. The compute stream waits for a pull's event; it never waits for the packing (its own block
+reads K and V where they are), so the packing overlaps the rank's first attention kernel.
 
 Used when every rank of an NCCL group is on this host (`use_copy_engines`); `RINGLSE_KV_TRANSPORT=
 nccl` turns it off, `=copy` insists on it.
@@ -26,7 +27,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-_WORKSPACES: dict[tuple[str, int], list] = {}  # (group, device) -> [buffer, handle, calls published]
+# (group, device) -> [buffer, handle, calls published, {(rank, shape, dtype, offset): view}]
+_WORKSPACES: dict[tuple[str, int], list] = {}
 _RETIRED: list = []  # outgrown workspaces: peers may still read them, so they are never freed
 _SAME_HOST: dict[str, bool] = {}
 _STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -80,17 +82,20 @@ class PulledKV:
 
     The workspace holds two regions used by alternate calls. A call writes its region without
     waiting for anyone: the peers last read it two calls ago, and they finished those reads before
-    they reached the previous call's barrier, which this rank has passed (its compute stream waited
-    for a pull queued after that barrier). So each call needs one GPU-side barrier (every buffer is
+    they reached the previous call's barrier, which this rank's side stream has passed (the packing
+    is queued behind it on that stream). So each call needs one GPU-side barrier (every buffer is
     published) instead of two.
 
     Args:
         comm: the ring's `RingComm`.
-        k, v: this rank's K and V `[b, n, hkv, d]`; `kv` is their packed copy (in the workspace when
-            it is large enough already; growing it is collective, so that waits for `publish`).
+        k, v: this rank's K and V `[b, n, hkv, d]`; `kv` is their packed copy, written on the side
+            stream (in the workspace when it is large enough already; growing it is collective, so
+            that waits for `publish`).
+        ready: a CUDA event recorded on the current stream once `k` and `v` are written and every
+            earlier user of the pull destinations' memory is queued: the side stream waits for it.
     """
 
-    def __init__(self, comm, k: torch.Tensor, v: torch.Tensor):
+    def __init__(self, comm, k: torch.Tensor, v: torch.Tensor, ready: torch.cuda.Event):
         self.comm = comm
         self.shape = (2, *k.shape)
         self.dtype = k.dtype
@@ -99,24 +104,40 @@ class PulledKV:
         self.stream = _side_stream(k.device)
         self.arrived: dict[int, torch.cuda.Event] = {}
         self.handle = None
-        ws = _WORKSPACES.get(self.key)
-        if ws is not None and ws[0].numel() >= 2 * self.nbytes:
-            self.kv = self._region(ws)
-            torch.stack([k, v], out=self.kv)
-        else:
-            self.kv = torch.stack([k, v])
+        self.stream.wait_event(ready)
+        # k and v are read on the side stream: the current stream waits for a pull queued after this
+        # (`wait`) before any later work of it can reuse their memory, or for everything (`abandon`)
+        with torch.cuda.stream(self.stream):
+            ws = _WORKSPACES.get(self.key)
+            if ws is not None and ws[0].numel() >= 2 * self.nbytes:
+                self.kv = self._region(ws)
+                torch.stack([k, v], out=self.kv)
+            else:
+                self.kv = torch.stack([k, v])
 
     def _region(self, ws) -> torch.Tensor:
         """Our region for this call: the first or second half of the workspace (fixed halves, so
         calls of different sizes never overlap a region a peer may still read)."""
-        buf, handle, calls = ws
+        buf, handle, calls, _ = ws
         half = buf.numel() // 2
         self.handle, self.offset = handle, (calls % 2) * half // self.dtype.itemsize
-        return handle.get_buffer(self.comm.rank, self.shape, self.dtype, self.offset)
+        self.views = ws[3]
+        return self._view(self.comm.rank)
 
-    def publish(self, ready: torch.cuda.Event) -> None:
+    def _view(self, rank: int) -> torch.Tensor:
+        """Rank `rank`'s region of this call as a tensor; the views are kept per workspace (making
+        one costs ~50 us of host time, and the first pull of a call waits for that)."""
+        key = (rank, self.shape, self.dtype, self.offset)
+        view = self.views.get(key)
+        if view is None:
+            if len(self.views) >= 256:  # shapes that keep changing: do not keep them all
+                self.views.clear()
+            view = self.views[key] = self.handle.get_buffer(rank, self.shape, self.dtype, self.offset)
+        return view
+
+    def publish(self) -> None:
         """Make our K/V readable by the group (after the ranks agreed on their inputs: growing the
-        workspace is a collective). `ready`: an event recorded once `kv` is written."""
+        workspace is a collective)."""
         ws = _WORKSPACES.get(self.key)
         if ws is None or ws[0].numel() < 2 * self.nbytes:
             symm_mem = _symm_mem()
@@ -125,22 +146,25 @@ class PulledKV:
             half = -(-self.nbytes // 256) * 256  # halves aligned for any dtype
             buf = symm_mem.empty(2 * half, dtype=torch.uint8, device=self.kv.device)
             handle = symm_mem.rendezvous(buf, self.comm.group if self.comm.group is not None else dist.group.WORLD)
-            ws = _WORKSPACES[self.key] = [buf, handle, 0]
-        self.stream.wait_event(ready)
+            ws = _WORKSPACES[self.key] = [buf, handle, 0, {}]
         with torch.cuda.stream(self.stream):
             if self.handle is None:  # packed outside the workspace (first call, or it grew)
                 region = self._region(ws)
                 region.copy_(self.kv)
-                self._keep = self.kv  # read by the side stream
             self.handle.barrier(channel=0)  # every rank's K/V is published
         ws[2] += 1
+
+    def abandon(self) -> None:
+        """The call ends without pulling (the ranks disagreed): the current stream waits for the
+        side stream, which may still be reading k and v."""
+        torch.cuda.current_stream().wait_stream(self.stream)
 
     def pull(self, s: int, dst: torch.Tensor, rows: tuple[int, int], after: torch.cuda.Event | None) -> None:
         """Copy rows `[k0, k1)` of rank (rank - s)'s K/V into `dst` (same shape), once `after` (the
         last reader of `dst`) has happened. Batches of more than one sequence pull whole blocks
         (their row ranges are not contiguous)."""
         src = (self.comm.rank - s) % self.comm.world
-        remote = self.handle.get_buffer(src, self.shape, self.dtype, self.offset)
+        remote = self._view(src)
         k0, k1 = rows if self.shape[1] == 1 else (0, self.shape[2])
         if after is not None:
             self.stream.wait_event(after)

@@ -7,8 +7,9 @@ swap buffers. Backward reuses the global `out`/`lse`, computes `delta` once, bri
 round the ring again, keeps `dq` locally and sends each block's `dk`/`dv` straight to the block's
 owner, which sums them once at the end (DESIGN §6 lets partial sums travel the ring instead; sending
 parts home costs the same transfers, needs no float32 accumulator per hop, and lets bf16 kernel
-outputs travel as they are). The rank's own block, split in two, hides the first and the last
-transfer. The block op is a parameter, so the same loop runs on gloo/CPU and NCCL/GPU.
+outputs travel as they are). The rank's own block hides the first transfer (and, split in two by
+keys in the backward, the last one). The block op is a parameter, so the same loop runs on gloo/CPU
+and NCCL/GPU.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ringlse.layouts import LAYOUTS, BlockCall, check_layout, default_layout, pl
 from ringlse.part_sum import PartSum, sum_parts
 from ringlse.positions import BlockKind, block_kind
 from ringlse.reference import lse_dtype
-from ringlse.ring_comm import RingComm
+from ringlse.ring_comm import Agreement, RingComm
 from ringlse.state_parts import StateMerge
 from ringlse.validation import SUPPORTED_DTYPES, check_qkv
 
@@ -54,34 +55,33 @@ def _rows_read(plan: Sequence[BlockCall]) -> tuple[int, int]:
     return (min(c.k0 for c in plan), max(c.k1 for c in plan)) if plan else (0, 0)
 
 
-def _held_blocks(comm: RingComm, kv_own: torch.Tensor, bufs: list[torch.Tensor], ready, plans,
-                 pulled: PulledKV | None):
+def _held_blocks(comm: RingComm, own: tuple[torch.Tensor, torch.Tensor], kv_own: torch.Tensor | None,
+                 bufs: list[torch.Tensor], ready, plans, pulled: PulledKV | None):
     """Yield `(s, kv)` for s = 0 .. W-1: the K/V of rank (rank - s) mod W once it has arrived
-    (`kv_own` for s = 0, `bufs[s % 3]` after); the caller queues its work on `kv` before asking for
-    the next block. `ready` (a CUDA event, None on CPU) is recorded once `kv_own` is written and
-    after `bufs` were allocated: transfers wait for it and the events below only, so every earlier
-    user of the buffers' memory must be queued before it.
+    (`own`, this rank's `(k, v)`, for s = 0, `bufs[s % 3]` after); the caller queues its work on `kv`
+    before asking for the next block. `kv_own` is the packed K/V that NCCL sends (None when blocks
+    are pulled: `pulled` packed its own). `ready` (a CUDA event, None on CPU) is recorded once
+    `kv_own` is written and after `bufs` were allocated: transfers wait for it and the events below
+    only, so every earlier user of the buffers' memory must be queued before it.
 
     Block 1's transfer is posted before step 0 is yielded. Block s+1's is posted before block s is
     yielded, waiting only for the last reader of the buffer it fills (an event), not for everything
     queued: with three buffers that reader is step s-2's work, long done, so the transfer starts
     while step s-1 still runs, not when step s's kernels already hold every SM. On one host with
     CUDA, blocks are pulled from their owners by copy engines (`ringlse.kv_pull`); otherwise NCCL
-    passes them from neighbour to neighbour; `pulled` (whose `kv` is `kv_own`) says which.
+    passes them from neighbour to neighbour.
     """
-    cuda = kv_own.device.type == "cuda"
     if comm.world == 1:
-        yield 0, kv_own
+        yield 0, own
         return
+    cuda = own[0].device.type == "cuda"
     last_read = [ready] * 3
     if pulled is not None:
-        pulled.publish(ready)
+        pulled.publish()
         pulled.pull(1, bufs[1], _rows_read(plans[1]), ready)
     else:
         works = comm.exchange(kv_own, bufs[1], _KV_TAG, ready=ready)
-    yield 0, kv_own
-    if cuda:
-        last_read[0] = _event()  # the forward's bufs[0] is kv_own
+    yield 0, own
     for s in range(1, comm.world):
         if pulled is not None:
             pulled.wait(s)
@@ -99,34 +99,41 @@ def _held_blocks(comm: RingComm, kv_own: torch.Tensor, bufs: list[torch.Tensor],
             last_read[s % 3] = _event()
 
 
-def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, check,
+def _own_kv(comm: RingComm, k: torch.Tensor, v: torch.Tensor, pull: bool):
+    """`(kv_own, bufs, ready, pulled)` for a ring pass over W > 1 ranks: the packed K/V that NCCL
+    sends (None when blocks are pulled), the receive buffers (`bufs[s % 3]` gets block s), the event
+    transfers wait for, and the `PulledKV` (or None). With pulls, K/V are packed on the pull stream,
+    so the compute stream goes straight to its own block (which reads `k` and `v` in place)."""
+    new = lambda: torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+    kv_own = None if pull else torch.stack([k, v])
+    # bufs[0] is used from W = 4 on (block 3); NCCL receives it into the packed own block, whose
+    # only reader, the send of step 0, is queued before that receive on the same NCCL stream
+    bufs = [(new() if pull else kv_own) if comm.world >= 4 else None, new(), new() if comm.world >= 3 else None]
+    ready = _event() if k.is_cuda else None
+    return kv_own, bufs, ready, PulledKV(comm, k, v, ready) if pull else None
+
+
+def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, check: Agreement,
                   pull: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out, lse)`: out in q's dtype when the op returns its states as parts (merged once at the
     end), else the float32 accumulator the op merged into.
 
-    Step 0 (the own block) is queued before `check()` waits for the ranks' agreement, and the first
-    K/V transfer waits only for the packed K/V, so neither the agreement nor the first transfer
-    leaves the GPU idle. (Splitting the own block so that its second half hides the first pull
-    measured slower on 4xH200: the agreement's wait then outlasts the first half; NOTES.md.)"""
+    The packing of K/V is queued first. If by then every rank's part of the agreement is in, `check()`
+    returns at once and block 1's transfer is posted before the own block is queued, so the transfer
+    overlaps the own block (its launch costs host time: posted after it, a whole first block arrived
+    up to 0.8 ms after the own block ended on 4xH200; NOTES.md). Otherwise the own block is queued
+    first, so the GPU works while this rank waits for the others."""
     b, n, h, d = q.shape
     acc = lse_dtype(q.dtype)
     states = StateMerge(q.shape, acc, q.device) if op.forward_parts is not None else None
     if states is None:
         out = torch.zeros((b, n, h, d), dtype=acc, device=q.device)
         lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
-    # one contiguous buffer per step: a single send and a single receive, or published for pulls
-    pulled = PulledKV(comm, k, v) if pull else None
-    kv = pulled.kv if pulled is not None else torch.stack([k, v])
-    bufs = [kv]
-    if comm.world > 1:
-        # a published kv is read by the peers for the whole call: block 3 must not land in it
-        bufs = [kv if pulled is None or comm.world < 4 else torch.empty_like(kv), torch.empty_like(kv),
-                torch.empty_like(kv)]
-    ready = _event() if kv.is_cuda and comm.world > 1 else None
+    kv_own, bufs, ready, pulled = _own_kv(comm, k, v, pull) if comm.world > 1 else (None, [], None, None)
 
     def attend(plan, kv):
         for c in plan:
-            qc, kc, vc = q[:, c.q0:c.q1], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1]
+            qc, kc, vc = q[:, c.q0:c.q1], kv[0][:, c.k0:c.k1], kv[1][:, c.k0:c.k1]
             block = dict(softmax_scale=scale, causal=c.causal, q_start=c.q_start, k_start=c.k_start)
             if states is not None:
                 for part in op.forward_parts(qc, kc, vc, **block):
@@ -134,30 +141,45 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, che
             else:
                 op.forward(qc, kc, vc, **block, out_acc=out[:, c.q0:c.q1], lse_acc=lse[:, :, c.q0:c.q1])
 
-    attend(plans[0][:1], kv)
-    check()  # every rank raises here on bad or mismatched inputs, before any K/V moves
-    for s, held in _held_blocks(comm, kv, bufs, ready, plans, pulled):
-        attend(plans[s][1:] if s == 0 else plans[s], held)
+    own_first = not check.ready()
+    if own_first:
+        attend(plans[0], (k, v))
+    try:
+        check()  # every rank raises here on bad or mismatched inputs, before any K/V moves
+    except ValueError:
+        if pulled is not None:
+            pulled.abandon()
+        raise
+    for s, held in _held_blocks(comm, (k, v), kv_own, bufs, ready, plans, pulled):
+        if s > 0 or not own_first:
+            attend(plans[s], held)
     return states.result(q.dtype) if states is not None else (out, lse)
 
 
-def _split_rows(plan: Sequence[BlockCall], m: int) -> tuple[list[BlockCall], list[BlockCall]]:
-    """The calls of `plan` restricted to local query rows `[0, m)` and `[m, n)`, keys trimmed to what
-    those rows can see (a causal piece may become full or vanish)."""
+def _split_keys(plan: Sequence[BlockCall], m: int) -> tuple[list[BlockCall], list[BlockCall]]:
+    """The calls of `plan` restricted to local keys `[0, m)` and `[m, n)`, query rows trimmed to those
+    that see any of them (a causal piece may become full or vanish).
+
+    The backward splits its own block by keys, not by query rows: the causal own block's first half
+    of keys is then one top-left causal call of all rows (rows past the diagonal see every key), and
+    its second half the square below the diagonal, so the fused kernels that take top-left masks of
+    any shape (cuDNN) return one dk/dv part per key from the own block where a split by rows gave two
+    (fewer rounded parts to sum, and one call fewer)."""
     halves: tuple[list[BlockCall], list[BlockCall]] = ([], [])
     for c in plan:
-        for half, (a, b) in zip(halves, ((c.q0, min(c.q1, m)), (max(c.q0, m), c.q1))):
+        for half, (a, b) in zip(halves, ((c.k0, min(c.k1, m)), (max(c.k0, m), c.k1))):
             if a >= b:
                 continue
-            q_start = c.q_start + (a - c.q0)
-            k1 = c.k1
-            if c.causal:  # row i sees local key j iff k_start + j <= q_start + i
-                k1 = min(k1, c.k0 + max(0, q_start + (b - a) - c.k_start))
-            kind = block_kind(b - a, k1 - c.k0, q_start, c.k_start, c.causal)
+            k_start = c.k_start + (a - c.k0)
+            q0 = c.q0
+            if c.causal:  # row i sees local key j iff k_start + j <= q_start + i: skip rows before key a
+                q0 = min(c.q1, c.q0 + max(0, k_start - c.q_start))
+            q_start = c.q_start + (q0 - c.q0)
+            kind = block_kind(c.q1 - q0, b - a, q_start, k_start, c.causal)
             if kind is BlockKind.EMPTY:
                 continue
             partial = kind is BlockKind.PARTIAL
-            half.append(BlockCall(a, b, c.k0, k1, partial, q_start if partial else 0, c.k_start if partial else 0))
+            half.append(BlockCall(q0, c.q1, a, b, partial, q_start if partial else 0, k_start if partial else 0))
     return halves
 
 
@@ -182,19 +204,17 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
     ranks sent in one pass at the end (`PartSum`). Ops that return their gradients as tensors
     (`backward_parts`: cuDNN, flash-attn) send those as they are, so no float32 accumulator is ever
     read and rewritten per block; ops that accumulate in-kernel add into float32 buffers that are sent
-    instead. Rank j's own block is computed in two halves of its query rows: the first while the first
-    K/V exchange is in flight, the second while the last gradients are on their way home.
+    instead. Rank j's own block is computed in two halves of its keys (`_split_keys`): the first while
+    the first K/V transfer is in flight, the second while the last gradients are on their way home.
     """
     acc = lse_dtype(q.dtype)
     b, n, h, d = q.shape
     hkv = k.shape[2]
     dq, dk, dv = PartSum(q.shape, acc, q.device), PartSum(k.shape, acc, k.device), PartSum(v.shape, acc, v.device)
-    pulled = PulledKV(comm, k, v) if pull and comm.world > 1 else None
-    kv_own = pulled.kv if pulled is not None else torch.stack([k, v])
 
     def call_args(c: BlockCall, kv: torch.Tensor) -> tuple[tuple, dict]:
         rows = slice(c.q0, c.q1)
-        args = (dout[:, rows], q[:, rows], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1], out[:, rows], lse[:, :, rows],
+        args = (dout[:, rows], q[:, rows], kv[0][:, c.k0:c.k1], kv[1][:, c.k0:c.k1], out[:, rows], lse[:, :, rows],
                 None if delta is None else delta[:, :, rows])
         kw = dict(softmax_scale=scale, causal=c.causal, q_start=c.q_start, k_start=c.k_start,
                   lse_grad=None if lse_grad is None else lse_grad[:, :, rows])
@@ -202,7 +222,7 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
 
     def attend_own(plan: Sequence[BlockCall]) -> None:
         for c in plan:
-            args, kw = call_args(c, kv_own)
+            args, kw = call_args(c, (k, v))
             if op.backward_parts is None:
                 op.backward(*args, **kw, dq_acc=dq.accumulator()[:, c.q0:c.q1],
                             dk_acc=dk.accumulator()[:, c.k0:c.k1], dv_acc=dv.accumulator()[:, c.k0:c.k1])
@@ -233,13 +253,14 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
     if comm.world == 1:
         attend_own(plans[0])
         return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
-    own_first, own_last = _split_rows(plans[0], n // 2)
-    bufs = [torch.empty_like(kv_own) for _ in range(3)]
-    ready = _event() if kv_own.is_cuda else None
+    # the diagonal square (second half of keys) hides the first transfer, the block's first half of
+    # keys (three times the work) the gradients' last transfers home
+    own_last, own_first = _split_keys(plans[0], n // 2)
+    kv_own, bufs, ready, pulled = _own_kv(comm, k, v, pull)
     dkv_works: list = []
     sent: list[list[torch.Tensor]] = []  # kept alive until their transfers are done
     received: list[tuple[BlockCall, torch.Tensor, torch.Tensor]] = []
-    for s, kv in _held_blocks(comm, kv_own, bufs, ready, plans, pulled):
+    for s, kv in _held_blocks(comm, (k, v), kv_own, bufs, ready, plans, pulled):
         if s == 0:
             attend_own(own_first)
             continue

@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ringlse.shared_table import SharedTable
+
 # NCCL picks how many channels carry a point-to-point message from its size in chunks: with the
 # default 512 KiB NVLink chunk, a 64-128 MiB K/V block moved at ~110 GiB/s on 4xH200 (NCCL 2.28),
 # with 128 KiB chunks at ~300 GiB/s (benchmarks/p2p_bandwidth.py, benchmarks/NOTES.md).
@@ -40,13 +42,25 @@ def nccl_options():
 
 
 _COMMS: dict[object, RingComm] = {}
+_AGREEMENT_COLS = 32  # integers per rank in a shared agreement table (a ring call posts 15)
+
+
+class Agreement:
+    """The pending comparison of the ranks' inputs (`RingComm.post_agreement`): `ready()` says
+    whether every rank's row is in (without waiting); calling it waits for them and raises
+    ValueError on every rank when any rank's inputs are bad or two ranks disagree."""
+
+    def __init__(self, ready: Callable[[], bool], check: Callable[[], None]):
+        self.ready = ready
+        self._check = check
+
+    def __call__(self) -> None:
+        self._check()
 
 
 class RingComm:
-    """Sends to rank+1 and receives from rank-1 within `group` (global ranks for point-to-point).
-
-    `agree_on_host`: the agreement's gather runs on a gloo group of the same ranks (NCCL groups,
-    when gloo is available), so it never waits for the GPU; otherwise on the group itself."""
+    """Sends to rank+1 and receives from rank-1 within `group` (global ranks for point-to-point),
+    and compares the ranks' inputs before any K/V moves (`post_agreement`)."""
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup | None) -> RingComm:
@@ -77,8 +91,12 @@ class RingComm:
         self.next = self.global_ranks[(self.rank + 1) % self.world]
         self.prev = self.global_ranks[(self.rank - 1) % self.world]
         self._stream: torch.cuda.Stream | None = None
-        self.agree_on_host = self.backend not in (None, "gloo") and dist.is_gloo_available()
+        # "shared", "host" or "device" (see `post_agreement`); None: decided on the first call
+        self.agreement: str | None = None
         self._host_group: dist.ProcessGroup | None = None
+        self._table: SharedTable | None = None
+        self._calls = 0  # agreements posted through the shared table (numbered alike on every rank)
+        self._decided = False
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -120,32 +138,39 @@ class RingComm:
         for w in works:
             w.wait()
 
-    def post_agreement(self, meta: Sequence[int], error: str | None) -> Callable[[], None]:
+    def post_agreement(self, meta: Sequence[int], error: str | None) -> Agreement:
         """Start comparing `meta` (ints describing this rank's inputs) and its local `error` across
-        ranks; returns `check()`, which raises ValueError on every rank if any rank has an error or
-        any two disagree (the same decision everywhere), and returns quietly otherwise.
+        ranks; returns the pending `Agreement`: calling it raises ValueError on every rank if any
+        rank has an error or any two disagree (the same decision everywhere), and returns quietly
+        otherwise; `ready()` says whether that would return without waiting.
 
-        The gather runs on the host (gloo: the group itself, or for NCCL a gloo group of the same
-        ranks made on first use, which is collective), so `check()` waits for the other ranks' hosts
-        only, never for kernels. Without gloo an NCCL group gathers on a side stream, and `check()`
-        waits for that gather alone, not for kernels queued on the current stream. Either way a caller
-        can queue local work before checking."""
+        Where the comparison happens is decided collectively on the group's first call
+        (`agreement`): `"shared"`, a table in host shared memory (every rank on one x86-64 host: no
+        round trip, `ringlse.shared_table`); `"host"`, a gloo gather (the group itself, or for NCCL a
+        gloo group of the same ranks); `"device"`, an NCCL gather on a side stream (NCCL without
+        gloo), which waits for that gather alone, not for kernels queued on the current stream.
+        None of them waits for kernels, so a caller can queue local work before checking."""
         if self.world == 1:
             def check_alone() -> None:
                 if error is not None:
                     raise ValueError(error)
-            return check_alone
+            return Agreement(lambda: True, check_alone)
         row = [0 if error is None else 1, *meta]
-        if self.backend == "gloo" or self.agree_on_host:
+        mode = self._agreement_mode()
+        if mode == "shared":
+            self._calls += 1
+            seq, table = self._calls, self._table
+            table.post(seq, row)
+            return Agreement(lambda: table.arrived(seq), lambda: self._decide(table.gather(seq), error))
+        if mode == "host":
             table_cpu = torch.empty((self.world, len(row)), dtype=torch.int64)
-            rows = list(table_cpu.unbind(0))
-            work = dist.all_gather(rows, torch.tensor(row, dtype=torch.int64), group=self._agreement_group(),
-                                   async_op=True)
+            work = dist.all_gather(list(table_cpu.unbind(0)), torch.tensor(row, dtype=torch.int64),
+                                   group=self._host_group, async_op=True)
 
             def check_host() -> None:
                 work.wait()
-                self._decide(table_cpu, error)
-            return check_host
+                self._decide(table_cpu.tolist(), error)
+            return Agreement(work.is_completed, check_host)
         # NCCL only moves CUDA tensors; decide the device from the group, not from (maybe bad) inputs
         stream = self._side_stream()
         with torch.cuda.stream(stream):
@@ -161,21 +186,31 @@ class RingComm:
         def check_nccl() -> None:
             done.synchronize()
             assert in_flight
-            self._decide(table_cpu, error)
-        return check_nccl
+            self._decide(table_cpu.tolist(), error)
+        return Agreement(done.query, check_nccl)
 
-    def _agreement_group(self) -> dist.ProcessGroup | None:
-        if self.backend == "gloo":
-            return self.group
-        if self._host_group is None:
-            # only the members take part (every one of them reaches its first agreement together)
-            self._host_group = dist.new_group(self.global_ranks, backend="gloo", use_local_synchronization=True)
-        return self._host_group
+    def _agreement_mode(self) -> str:
+        """`self.agreement`, decided on the first call, collectively (every rank of the group makes
+        its first ring call together): the best available, or the one set before that call (tests
+        force each); "shared" falls back to "host" where the ranks cannot share a table."""
+        if self._decided:
+            return self.agreement
+        wanted = self.agreement
+        if wanted == "device" or (self.backend != "gloo" and not dist.is_gloo_available()):
+            self.agreement = "device"
+        else:
+            # only the members take part in making the gloo group and the table
+            self._host_group = self.group if self.backend == "gloo" else dist.new_group(
+                self.global_ranks, backend="gloo", use_local_synchronization=True)
+            if wanted in (None, "shared"):
+                self._table = SharedTable.create(self._host_group, self.rank, self.global_ranks[0], _AGREEMENT_COLS)
+            self.agreement = "shared" if self._table is not None else "host"
+        self._decided = True
+        return self.agreement
 
-    def _decide(self, table: torch.Tensor, error: str | None) -> None:
+    def _decide(self, rows: list[list[int]], error: str | None) -> None:
         if error is not None:
             raise ValueError(f"rank {self.rank}: {error}")
-        rows = table.tolist()  # plain lists: comparing tensors row by row costs host time per call
         bad = [r for r in range(self.world) if rows[r][0] != 0]
         if bad:
             raise ValueError(f"rank {self.rank}: ranks {bad} reported invalid input (see their errors)")

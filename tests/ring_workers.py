@@ -61,11 +61,13 @@ def battery(rank, world, cases: list[dict]) -> list:
     return [check_case(rank, world, c) for c in cases]
 
 
-def expect_value_errors(rank, world, layout_bad_n: int, agree_on_host: bool = True) -> list[tuple[str, bool, str]]:
+def expect_value_errors(rank, world, layout_bad_n: int, agreement: str | None = None) -> list[tuple[str, bool, str]]:
     """Each bad input must raise ValueError on every rank (and then the group still works).
-    `agree_on_host=False`: an NCCL group gathers the agreement on the GPU (its path without gloo)."""
+    `agreement`: how the ranks compare inputs ("shared", "host", or for NCCL "device"; None: the
+    best available); the mode in effect is the last result's message."""
     results = []
-    ringlse.ring_comm.RingComm.for_group(None).agree_on_host &= agree_on_host
+    comm = ringlse.ring_comm.RingComm.for_group(None)
+    comm.agreement = agreement
 
     def attempt(name, fn):
         try:
@@ -102,6 +104,7 @@ def expect_value_errors(rank, world, layout_bad_n: int, agree_on_host: bool = Tr
     x = torch.full((1,), float(rank), device=device)
     torch.distributed.all_reduce(x)
     results.append(("group usable after errors", x.item() == world * (world - 1) / 2, str(x.item())))
+    results.append(("agreement", True, str(comm.agreement)))
     return results
 
 

@@ -1,6 +1,6 @@
 """The ring's step plans, checked exhaustively against global positions: every visible (query, key)
 pair is covered exactly once, nothing invisible is attended, and the backward's split of the own
-block into two halves of query rows covers the same set."""
+block into two halves of keys covers the same set."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from ringlse.layouts import LAYOUTS, local_positions, plan_step
 from ringlse.positions import BlockKind, block_kind, visibility_mask
-from ringlse.ring import _split_rows
+from ringlse.ring import _split_keys
 
 
 def _covered(calls, n: int) -> torch.Tensor:
@@ -47,10 +47,10 @@ def test_plan_covers_visible_pairs_exactly_once(layout, world, n, causal):
 
 
 @pytest.mark.parametrize("layout,world,n,causal", CASES, ids=lambda x: str(x))
-def test_split_rows_partitions_the_own_block(layout, world, n, causal):
+def test_split_keys_partitions_the_own_block(layout, world, n, causal):
     for rank in range(world):
         plan = plan_step(layout, rank, rank, world, n, causal)
         for m in range(n + 1):
-            first, last = _split_rows(plan, m)
-            assert all(c.q1 <= m for c in first) and all(c.q0 >= m for c in last)
+            first, last = _split_keys(plan, m)
+            assert all(c.k1 <= m for c in first) and all(c.k0 >= m for c in last)
             assert torch.equal(_covered(first + last, n), _covered(plan, n)), (rank, m)

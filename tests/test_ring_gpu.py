@@ -77,14 +77,15 @@ def test_ring_gpu_error_does_not_grow_with_world_size(backend, hkv, tmp_path):
         assert w4[name] <= 1.25 * w1[name] + 1e-6, f"{backend} {name}: W=4 {w4[name]:.3e} vs W=1 {w1[name]:.3e}"
 
 
-@pytest.mark.parametrize("agree_on_host", [True, False], ids=["gloo-agreement", "nccl-agreement"])
+@pytest.mark.parametrize("agreement", ["shared", "host", "device"])
 @pytest.mark.parametrize("world", _world_sizes(), ids=lambda w: f"W{w}")
-def test_ring_gpu_bad_inputs_raise_on_every_rank(world, agree_on_host, tmp_path):
-    """On NCCL too (the agreement is gathered by a gloo group of the same ranks, or without gloo on a
-    side stream): every rank raises ValueError, nobody hangs, and the group still works afterwards."""
+def test_ring_gpu_bad_inputs_raise_on_every_rank(world, agreement, tmp_path):
+    """On NCCL too (the agreement goes through a table in host shared memory, a gloo group of the
+    same ranks, or without gloo an NCCL gather on a side stream): every rank raises ValueError, nobody
+    hangs, and the group still works afterwards."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    per_rank = run_ranks(rw.expect_value_errors, world, tmp_path, 3, agree_on_host, timeout=180, backend="nccl")
+    per_rank = run_ranks(rw.expect_value_errors, world, tmp_path, 3, agreement, timeout=180, backend="nccl")
     for rank, results in enumerate(per_rank):
         for name, raised, message in results:
             assert raised, f"W={world} rank {rank}: {name}: {message}"
