@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ringlse.kernels.host import cdiv, next_power_of_2
+from ringlse.kernels.launch import _raw_stream, launch
 
 # constexpr globals: the only kind a @triton.jit function may read
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -597,15 +598,6 @@ def _num_sms(device: torch.device) -> int:
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def _raw_stream(index: int | None) -> int:
-    """The current CUDA stream's handle. `torch.cuda.current_stream()` builds a Stream object (several
-    us of host time per call); the raw getter, which Triton's own launcher uses, does not."""
-    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if getter is None:
-        return torch.cuda.current_stream(index).cuda_stream
-    return getter(torch.cuda.current_device() if index is None else index)
-
-
 def _row_counters(device: torch.device, R: int) -> torch.Tensor:
     """At least `R` int32 counters that are 0 now; the kernel that uses them leaves them 0 again.
 
@@ -626,8 +618,13 @@ def _fold_rows(t: torch.Tensor) -> tuple[int, int, int, int, int] | None:
     """`t` `[..., N]` as rows: `(O, I, s_o, s_i, s_n)` such that row `r = o * I + i` (row-major order
     of the leading dims) starts at element `o * s_o + i * s_i`; None if the leading dims do not fold into
     two strided groups (then the caller copies)."""
+    shape, strides = t.shape, t.stride()
+    if len(shape) <= 2:  # the common case without the loop below (same result: a size-1 dim is dropped)
+        if len(shape) == 1 or shape[0] == 1:
+            return 1, 1, 0, 0, strides[-1]
+        return shape[0], 1, strides[0], 0, strides[1]
     groups: list[list[int]] = []
-    for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
+    for size, stride in zip(shape[:-1], strides[:-1]):
         if size == 1:
             continue
         if groups and groups[-1][1] == stride * size:
@@ -639,12 +636,17 @@ def _fold_rows(t: torch.Tensor) -> tuple[int, int, int, int, int] | None:
     while len(groups) < 2:
         groups.append([1, 0])  # pad on the inside: I = 1 is specialised away by Triton
     (o, s_o), (i, s_i) = groups
-    return o, i, s_o, s_i, t.stride(-1)
+    return o, i, s_o, s_i, strides[-1]
+
+
+def _dim_last(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """`t.movedim(dim, -1)` for `dim >= 0`, skipping the view (~2 us of host time) when it is already last."""
+    return t if dim == t.dim() - 1 else t.movedim(dim, -1)
 
 
 def _as_rows(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
-    """`t` with `dim` moved last (a view where possible, a copy otherwise) and its row folding."""
-    tm = t.movedim(dim, -1)
+    """`t` with `dim` (>= 0) moved last (a view where possible, a copy otherwise) and its row folding."""
+    tm = _dim_last(t, dim)
     lay = _fold_rows(tm)
     if lay is None:
         tm = tm.contiguous()
@@ -670,7 +672,7 @@ def _output_rows(
     if out is not None:
         if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
             raise ValueError(f"{what}: out must be {tuple(shape)} {dtype}, got {tuple(out.shape)} {out.dtype}")
-        om = out.movedim(dim, -1)
+        om = _dim_last(out, dim)
         lay = _fold_rows(om)
         if lay is not None:
             return om, lay, None
@@ -679,12 +681,12 @@ def _output_rows(
 
 
 def _finish(ym: torch.Tensor, dim: int, target: torch.Tensor | None) -> torch.Tensor:
-    y = ym.movedim(-1, dim)
+    y = ym if dim == ym.dim() - 1 else ym.movedim(-1, dim)
     return y if target is None else target.copy_(y)
 
 
 def _col64(n: int, *strides: int) -> bool:
-    return max([abs(s) for s in strides] + [1]) * n >= 2**31
+    return max((1, *map(abs, strides))) * n >= 2**31
 
 
 def _row_warps(tile: int) -> int:
@@ -832,8 +834,8 @@ def softmax_forward(
     col64 = _col64(N, sx_n, sy_n)
     if N <= int(TUNING["max_row_block"]):
         block_r, block_n = _short_tile(R, N)
-        _fwd_rows_kernel[(cdiv(R, block_r),)](
-            xm, ym, xm, R, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n,
+        launch(
+            _fwd_rows_kernel, (cdiv(R, block_r),), xm, ym, xm, R, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n,
             MODE=mode, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
         )
     elif _coop_launch(_fwd_coop_kernel, "fwd", (xm, ym), 2, R, N, I, (sx_o, sx_i, sx_n, sy_o, sy_i, sy_n),
@@ -843,18 +845,19 @@ def softmax_forward(
                           dict(MODE=mode, COL64=col64)):
         pass
     else:
-        n_pieces, piece, chunk = _split(R, N, x.device)
+        device = x.device
+        n_pieces, piece, chunk = _split(R, N, device)
         warps = int(TUNING["chunk_warps"])
         pm = ps = xm  # unused placeholders when fused
         if n_pieces > 1:
-            pm, ps = torch.empty((2, R, n_pieces), dtype=torch.float32, device=x.device).unbind(0)
-            _fwd_stats_kernel[(R, n_pieces)](
-                xm, pm, ps, pm, pm, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
+            pm, ps = torch.empty((2, R, n_pieces), dtype=torch.float32, device=device).unbind(0)
+            launch(
+                _fwd_stats_kernel, (R, n_pieces), xm, pm, ps, pm, pm, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
                 OUT=0, NP_BLOCK=1, BLOCK_N=chunk, COL64=col64, num_warps=warps,
             )
-        _fwd_long_kernel[(R, n_pieces)](
-            xm, ym, pm, ps, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, piece, n_pieces,
-            MODE=mode, FUSED=n_pieces == 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk,
+        launch(
+            _fwd_long_kernel, (R, n_pieces), xm, ym, pm, ps, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, piece,
+            n_pieces, MODE=mode, FUSED=n_pieces == 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk,
             COL64=col64, num_warps=warps,
         )
     return _finish(ym, dim, target)
@@ -879,8 +882,9 @@ def logsumexp_forward(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | Non
     N = xm.shape[-1]
     R = O * I
     shape = xm.shape[:-1]
+    device = x.device
     if out is None:
-        lse = torch.empty(shape, dtype=torch.float32, device=x.device)
+        lse = torch.empty(shape, dtype=torch.float32, device=device)
     else:
         if tuple(out.shape) != tuple(shape) or out.dtype != torch.float32 or not out.is_contiguous():
             raise ValueError(f"logsumexp: out must be contiguous float32 {tuple(shape)}")
@@ -892,19 +896,19 @@ def logsumexp_forward(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | Non
     col64 = _col64(N, sx_n)
     if N <= int(TUNING["max_row_block"]):
         block_r, block_n = _short_tile(R, N)
-        _fwd_rows_kernel[(cdiv(R, block_r),)](
-            xm, xm, lse, R, N, I, sx_o, sx_i, sx_n, 0, 0, 0,
+        launch(
+            _fwd_rows_kernel, (cdiv(R, block_r),), xm, xm, lse, R, N, I, sx_o, sx_i, sx_n, 0, 0, 0,
             MODE=_LOGSUMEXP, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
         )
         return lse
-    n_pieces, piece, chunk = _split(R, N, x.device)
+    n_pieces, piece, chunk = _split(R, N, device)
     # one launch either way: a row of one piece writes its lse; a split row's last piece merges
     pm = ps = cnt = lse  # (unused when one piece)
     if n_pieces > 1:
-        pm, ps = torch.empty((2, R, n_pieces), dtype=torch.float32, device=x.device).unbind(0)
-        cnt = _row_counters(x.device, R)
-    _fwd_stats_kernel[(R, n_pieces)](
-        xm, pm, ps, lse, cnt, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
+        pm, ps = torch.empty((2, R, n_pieces), dtype=torch.float32, device=device).unbind(0)
+        cnt = _row_counters(device, R)
+    launch(
+        _fwd_stats_kernel, (R, n_pieces), xm, pm, ps, lse, cnt, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
         OUT=2 if n_pieces > 1 else 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk, COL64=col64,
         num_warps=int(TUNING["chunk_warps"]),
     )
@@ -943,9 +947,10 @@ def softmax_backward(
     col64 = _col64(N, sy_n, sg_n, sd_n)
     if N <= int(TUNING["max_row_block_bwd"]):
         block_r, block_n = _short_tile(R, N)
-        _bwd_rows_kernel[(cdiv(R, block_r),)](
-            ym, gm, dm, R, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n,
-            LOG=log, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
+        launch(
+            _bwd_rows_kernel, (cdiv(R, block_r),), ym, gm, dm, R, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n,
+            sd_o, sd_i, sd_n, LOG=log, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64,
+            num_warps=_row_warps(block_r * block_n),
         )
     elif _coop_launch(_bwd_coop_kernel, "bwd", (ym, gm, dm), 1, R, N, I,
                       (sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n), dict(LOG=log, COL64=col64)):
@@ -954,19 +959,20 @@ def softmax_backward(
                           (sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n), dict(LOG=log, COL64=col64)):
         pass
     else:
-        n_pieces, piece, chunk = _split(R, N, y.device)
+        device = y.device
+        n_pieces, piece, chunk = _split(R, N, device)
         warps = int(TUNING["chunk_warps"])
         part = ym
         if n_pieces > 1:
-            part = torch.empty((R, n_pieces), dtype=torch.float32, device=y.device)
-            _bwd_partial_kernel[(R, n_pieces)](
-                ym, gm, part, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, piece, n_pieces,
-                LOG=log, BLOCK_N=chunk, COL64=col64, num_warps=warps,
+            part = torch.empty((R, n_pieces), dtype=torch.float32, device=device)
+            launch(
+                _bwd_partial_kernel, (R, n_pieces), ym, gm, part, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, piece,
+                n_pieces, LOG=log, BLOCK_N=chunk, COL64=col64, num_warps=warps,
             )
-        _bwd_long_kernel[(R, n_pieces)](
-            ym, gm, dm, part, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n, piece, n_pieces,
-            LOG=log, FUSED=n_pieces == 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk,
-            COL64=col64, num_warps=warps,
+        launch(
+            _bwd_long_kernel, (R, n_pieces), ym, gm, dm, part, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n,
+            sd_o, sd_i, sd_n, piece, n_pieces, LOG=log, FUSED=n_pieces == 1, NP_BLOCK=next_power_of_2(n_pieces),
+            BLOCK_N=chunk, COL64=col64, num_warps=warps,
         )
     return _finish(dm, dim, target)
 
@@ -1001,8 +1007,9 @@ def logsumexp_backward(
     block_n = min(next_power_of_2(N), 2048)
     block_r = max(1, min(int(TUNING["tile"]) // block_n, next_power_of_2(R)))
     n_col_tiles = cdiv(N, block_n)
-    _lse_bwd_kernel[(cdiv(R, block_r) * n_col_tiles,)](
-        xm, lse, g, dm, R, N, I, sx_o, sx_i, sx_n, sd_o, sd_i, sd_n, n_col_tiles,
+    launch(
+        _lse_bwd_kernel, (cdiv(R, block_r) * n_col_tiles,), xm, lse, g, dm, R, N, I, sx_o, sx_i, sx_n,
+        sd_o, sd_i, sd_n, n_col_tiles,
         BLOCK_R=block_r, BLOCK_N=block_n, COL64=_col64(N, sx_n, sd_n), num_warps=_row_warps(block_r * block_n),
     )
     return _finish(dm, dim, target)

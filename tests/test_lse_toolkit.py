@@ -378,6 +378,115 @@ def test_kernel_autograd_vs_float64(kernels, mode):
     assert_judged("vs autograd", dx, dx64, None, torch.float32)
 
 
+# ----------------------------------------------------------------------------------------------------
+# kernels/launch.py: Triton's launch without its binder (the fast path needs CUDA; its logic is tested
+# here on fakes, its kernels on the GPU below)
+
+
+def test_launch_spec_features():
+    """`_spec` is at least as fine as Triton 3.6's specialisation: every class Triton compiles apart
+    gets its own features, and values Triton treats alike may share them."""
+    from ringlse.kernels.launch import _spec
+
+    buf = torch.empty(64)
+    aligned, offset = buf[:8], buf[1:9]
+    assert aligned.data_ptr() % 16 == 0 and offset.data_ptr() % 16 != 0
+    assert _spec(aligned) != _spec(offset)  # pointer alignment (Triton's "D" on pointers)
+    assert _spec(aligned) != _spec(aligned.half())  # dtype
+    ints = [1, 16, 17, 2**31, 2**31 + 1, 2**63, -16]
+    features = [_spec(v) for v in ints]
+    assert len(set(features[:6])) == 6, features  # == 1, % 16, and int32 / int64 / uint64 range
+    assert _spec(-16) == _spec(16) and _spec(32) == _spec(16) and _spec(3) == _spec(17)
+    others = [_spec(True), _spec(1.0), _spec(None)]
+    assert _spec(False) == _spec(True)  # Triton passes bools as i1, unspecialised
+    assert len(set(others + features[:6] + [_spec(aligned)])) == 10
+    assert _spec("x") is None and _spec((1, 2)) is None  # types left to Triton's own path
+
+
+class _FakeParam:
+    def __init__(self, name: str, is_constexpr: bool):
+        self.name, self.is_constexpr = name, is_constexpr
+
+
+class _FakeCompiled:
+    def __init__(self, kernel, tag: int):
+        self.kernel, self.function, self.packed_metadata = kernel, tag, ("meta", tag)
+
+    @property
+    def run(self):
+        return lambda *a: self.kernel.calls.append(("fast", a))
+
+
+class _FakeKernel:
+    """What `launch` reads of a Triton 3.6 JITFunction: params, arg_names, pre_run_hooks, warmup, [grid]."""
+
+    def __init__(self):
+        self.params = [_FakeParam("x", False), _FakeParam("n", False), _FakeParam("B", True), _FakeParam("C", True)]
+        self.arg_names = [p.name for p in self.params]
+        self.pre_run_hooks = []
+        self.compiled = []
+        self.calls = []
+
+    def warmup(self, *args, grid, num_warps, **consts):
+        self.compiled.append((args, num_warps, consts))
+        return _FakeCompiled(self, len(self.compiled))
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: self.calls.append(("slow", grid, a, k))
+
+
+def test_launch_cache_and_call_protocol(monkeypatch):
+    """Hits call the compiled launcher as `JITFunction.run` does (grid padded to 3, stream, function,
+    metadata, no hooks, every parameter in signature order, constexprs included); a key differing in
+    any specialisation feature compiles again; what the fast path does not handle goes to kernel[grid]."""
+    from ringlse.kernels import launch as kl
+
+    monkeypatch.setattr(kl, "_CACHE", {})
+    monkeypatch.setattr(kl, "_fast_path_on", lambda kernel: True)
+    monkeypatch.setattr(kl, "_STREAM_GETTER", lambda index: 1000 + index)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    k = _FakeKernel()
+    kl.launch(k, (4,), 7, 32, num_warps=4, B=8, C=True)
+    assert len(k.compiled) == 1 and k.compiled[0] == ((7, 32), 4, {"B": 8, "C": True})
+    assert k.calls[-1] == ("fast", (4, 1, 1, 1002, 1, ("meta", 1), None, None, None, 7, 32, 8, True))
+    kl.launch(k, (5, 6), 9, 48, num_warps=4, B=8, C=True)  # same features: a hit
+    assert len(k.compiled) == 1
+    assert k.calls[-1] == ("fast", (5, 6, 1, 1002, 1, ("meta", 1), None, None, None, 9, 48, 8, True))
+    for n, tag in [(33, 2), (1, 3), (2**40, 4)]:  # not % 16, == 1, int64: each compiles apart
+        kl.launch(k, (1, 1, 3), 9, n, num_warps=4, B=8, C=True)
+        assert len(k.compiled) == tag and k.calls[-1][1][:6] == (1, 1, 3, 1002, tag, ("meta", tag))
+    kl.launch(k, (1,), 9, 32, num_warps=8, B=8, C=True)  # num_warps
+    kl.launch(k, (1,), 9, 32, num_warps=4, B=16, C=True)  # a constexpr's value
+    kl.launch(k, (1,), 9, 32, num_warps=4, B=8, C=1)  # its type (1 == True)
+    assert len(k.compiled) == 7 and all(c[0] == "fast" for c in k.calls)
+    slow = [
+        ((torch.zeros(3), 32), {"B": 8, "C": True}),  # a CPU tensor
+        ((9, 32, 8), {"C": True}),  # a constexpr passed positionally
+        ((9,), {"n": 32, "B": 8, "C": True}),  # a runtime argument by keyword
+        ((9, "32"), {"B": 8, "C": True}),  # an unhandled type
+        ((9, 32), {"B": [8], "C": True}),  # an unhashable constexpr
+    ]
+    for args, consts in slow:
+        kl.launch(k, (2,), *args, num_warps=4, **consts)
+        assert k.calls[-1] == ("slow", (2,), args, {"num_warps": 4, **consts})
+    assert len(k.compiled) == 7
+
+
+def test_launch_takes_tritons_path_when_it_must(kernels, monkeypatch):
+    from triton.knobs import HookChain
+
+    from ringlse.kernels import launch as kl
+
+    assert not kl._fast_path_on(kernels._fwd_rows_kernel)  # the interpreter (these CPU tests)
+    assert kl._hook_idle(None) and kl._hook_idle(HookChain())
+    hook = HookChain()
+    hook.add(lambda metadata: None)
+    assert not kl._hook_idle(hook) and not kl._hook_idle(lambda metadata: None)
+    # under the interpreter `launch` is kernel[grid]: a short softmax through it
+    x = make_x((5, 97), -1, torch.float32, seed=21)
+    judge_against("fwd", kernel_forward(kernels, "softmax", x, -1), x, -1, "softmax", torch.float32)
+
+
 @pytest.fixture
 def lbmm():
     from ringlse.kernels import log_bmm as kl
@@ -558,6 +667,63 @@ def test_gpu_logsumexp_split_reuses_counters():
         judge_against("fwd", ks.logsumexp_forward(x), x, -1, "logsumexp", torch.float32)
     torch.cuda.synchronize()
     assert all(int(c.count_nonzero()) == 0 for c in ks._COUNTERS.values())
+
+
+def _placed(x: torch.Tensor, where: str) -> torch.Tensor:
+    """`x` copied to a 16-byte-aligned buffer ("aligned"), one element past one ("offset": same strides,
+    so the same integer arguments: only the pointer alignment differs), or a view `[:, 1:]` of a wider
+    buffer ("sliced": misaligned, rows one element longer apart)."""
+    rows, cols = x.shape
+    if where == "sliced":
+        out = torch.empty(rows, cols + 1, dtype=x.dtype, device=x.device)[:, 1:]
+    else:
+        off = 0 if where == "aligned" else 1
+        out = torch.empty(x.numel() + 16, dtype=x.dtype, device=x.device)[off:off + x.numel()].view(x.shape)
+    assert (out.data_ptr() % 16 == 0) == (where == "aligned")
+    return out.copy_(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("regime", ["rows", "split"])
+@pytest.mark.parametrize("order", ["aligned-first", "misaligned-first"])
+def test_gpu_fast_launch_alignment_and_int_specialisation(monkeypatch, order, regime, dtype):
+    """`launch` caches compiled kernels under its own key: a kernel compiled for 16-byte-aligned
+    pointers (or for R == 1) must never serve a misaligned input (or R == 3), whichever runs first.
+    Forward, logsumexp and both backwards on the same shapes, against float64."""
+    from ringlse.kernels import launch as kl
+    from ringlse.kernels import softmax as ks
+
+    monkeypatch.setattr(kl, "_CACHE", {})  # this order fills the cache from empty
+    if regime == "split":  # long rows through the launchers' own two-kernel paths
+        for key in ("coop_fwd", "coop_bwd", "lookback_fwd", "lookback_bwd"):
+            monkeypatch.setitem(ks.TUNING, key, 0)
+    cols = (97, 4097) if regime == "rows" else (40001,)
+    wheres = ["aligned", "offset", "sliced"]
+    row_counts = [1, 3]
+    if order == "misaligned-first":
+        wheres.reverse()
+        row_counts.reverse()
+    for rows in row_counts:
+        for n in cols:
+            x0 = make_x((rows, n), -1, dtype, scale=3.0, seed=22 + rows, device="cuda")
+            g0 = torch.randn(rows, n, device="cuda", dtype=F64).to(dtype)
+            gl0 = torch.randn(rows, device="cuda", dtype=F64).to(dtype)
+            for where in wheres:
+                x = _placed(x0, where)
+                for log in (False, True):
+                    mode = "log_softmax" if log else "softmax"
+                    y = ks.softmax_forward(x, log=log)
+                    judge_against(f"fwd {where}", y, x0, -1, mode, dtype)
+                    dx = ks.softmax_backward(_placed(y, where), _placed(g0, where), log=log)
+                    judge_against(f"dx {where}", dx, x0, -1, mode, dtype, g=g0)
+                lse = ks.logsumexp_forward(x)
+                judge_against(f"lse {where}", lse, x0, -1, "logsumexp", dtype)
+                dx = ks.logsumexp_backward(x, lse, gl0)
+                judge_against(f"lse dx {where}", dx, x0, -1, "logsumexp", dtype, g=gl0)
+    torch.cuda.synchronize()
+    # the fast path ran (Triton 3.6): every key got a compiled entry, none fell back for good
+    assert kl._CACHE and all(entry is not None for entry in kl._CACHE.values())
 
 
 @pytest.mark.gpu

@@ -1,0 +1,171 @@
+"""Kernel launches with less host time than `kernel[grid](...)`.
+
+Why: for small inputs a launcher's host time is the whole cost of a call. `JITFunction.run` (what
+`kernel[grid](...)` calls) binds the arguments to the signature, specialises every one of them, builds
+its cache key and launch metadata: ~20 us per launch with Triton 3.6 on an H200, while the kernels of
+a small softmax run for a few. `launch` keeps its own cache of compiled kernels under a key of the same
+specialisation features, computed in plain Python, and on a hit calls the compiled kernel's launcher
+directly, the very call `JITFunction.run` ends with.
+
+Every case it does not know to be safe takes Triton's own path: the interpreter (CPU), tensors not on
+a CUDA device, launch hooks set (profilers), pre-run hooks, argument types other than tensors, ints,
+floats, bools and None, constexprs passed positionally, and a Triton whose internals differ from 3.6's.
+Not re-checked on a hit (Triton does on every launch): that the constexpr globals a kernel reads kept
+their values, and a kernel's source patched at run time (`_unsafe_update_src`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton import knobs as _knobs
+    from triton.knobs import HookChain as _HookChain
+except ImportError:  # an older Triton without knobs: every launch takes Triton's own path
+    _knobs = None
+    _HookChain = None
+
+_STREAM_GETTER = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+_MAX_ENTRIES = 4096  # distinct (kernel, specialisation) pairs kept; the cache starts over past this
+# key -> (run, function, packed_metadata, constexpr names, kernel), or None: that key always takes
+# Triton's path. The entry keeps the kernel alive, so its id (in the key) is not reused while cached;
+# a reused id could only meet a None entry, which sends it to Triton's path: safe.
+_CACHE: dict[tuple, tuple | None] = {}
+_MISSING = object()
+
+
+def _raw_stream(index: int | None) -> int:
+    """The current CUDA stream's handle. `torch.cuda.current_stream()` builds a Stream object (several
+    us of host time per call); the raw getter, which Triton's own launcher uses, does not.
+
+    Args:
+        index: CUDA device index; None for the current device.
+
+    Returns:
+        the raw `cudaStream_t` as an int.
+    """
+    if _STREAM_GETTER is None:
+        return torch.cuda.current_stream(index).cuda_stream
+    return _STREAM_GETTER(torch.cuda.current_device() if index is None else index)
+
+
+def _spec(arg) -> tuple | None:
+    """Specialisation features of one positional argument, at least as fine as Triton 3.6's.
+
+    Triton compiles apart: integers equal to 1 (made constants), integers divisible by 16, int32 /
+    int64 / uint64 integers, and tensors by dtype and 16-byte alignment of their pointer. A feature
+    coarser than Triton's would launch a kernel compiled for other arguments (a silent bug); a finer
+    one only costs a cache entry. `is_cuda` marks the tensors whose keys must take Triton's path.
+
+    Args:
+        arg: a positional kernel argument.
+
+    Returns:
+        a hashable tuple of features, or None for a type that `launch` leaves to Triton.
+    """
+    t = type(arg)
+    if t is bool:  # (before int: bool is an int subclass; `type(arg) is int` excludes it anyway)
+        return ("b",)
+    if t is int:
+        return (arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31, -2**63 <= arg < 2**63)
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0, arg.is_cuda)
+    if t is float:
+        return ("f",)
+    if arg is None:
+        return ("none",)
+    return None
+
+
+def _hook_idle(hook) -> bool:
+    # Triton 3.6 keeps an empty HookChain where no hook is set (older ones kept None): calling it does
+    # nothing, so the launcher may be given None instead, and no launch metadata is needed
+    return hook is None or (type(hook) is _HookChain and not hook.calls)
+
+
+def _fast_path_on(kernel) -> bool:
+    """False where every launch must take Triton's path (interpreter, hooks, another Triton)."""
+    if _knobs is None or _STREAM_GETTER is None:
+        return False
+    runtime = _knobs.runtime
+    # TRITON_INTERPRET=1 (CPU tests): the knob reads the environment variable as `os.environ` would, in
+    # a quarter of the time (and also takes the other spellings of true the interpreter switch takes)
+    if runtime.interpret:
+        return False
+    if not (_hook_idle(runtime.launch_enter_hook) and _hook_idle(runtime.launch_exit_hook)):
+        return False
+    # pre-run hooks run on every launch; a kernel without the attribute is not a 3.6 JITFunction
+    return not getattr(kernel, "pre_run_hooks", True)
+
+
+def _build_entry(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, consts: dict):
+    """Compile (or fetch from Triton's cache) the kernel for these arguments and return its cache entry;
+    None where this key must always take Triton's path; `_MISSING` where only this call must (a compile
+    hook that skipped the compile, an asynchronous compile: nothing is cached)."""
+    if any(s is None for s in map(_spec, args)):
+        return None
+    if any(isinstance(a, torch.Tensor) and not a.is_cuda for a in args):
+        return None
+    try:
+        params = kernel.params
+        n = len(args)
+        # the launcher takes every parameter in signature order: the positional ones must be runtime
+        # arguments (a positional constexpr's value is not in the key), and the rest constexprs given
+        # by keyword (a runtime argument given by keyword would not be specialised by the key)
+        if n > len(params) or any(p.is_constexpr for p in params[:n]):
+            return None
+        names = tuple(kernel.arg_names[n:])
+        if not all(p.is_constexpr for p in params[n:]) or not all(name in consts for name in names):
+            return None
+    except AttributeError:
+        return None
+    compiled = kernel.warmup(*args, grid=grid, num_warps=num_warps, **consts)
+    if compiled is None or hasattr(compiled, "result"):
+        return _MISSING
+    try:
+        run = compiled.run  # (a property: loads the binary onto the current device)
+        return run, compiled.function, compiled.packed_metadata, names, kernel
+    except AttributeError:
+        return None
+
+
+def launch(kernel, grid: tuple[int, ...], *args, num_warps: int, **consts) -> None:
+    """`kernel[grid](*args, num_warps=num_warps, **consts)`, without Triton's binder on a warm path.
+
+    Args:
+        kernel: a `@triton.jit` function.
+        grid: 1 to 3 program counts.
+        *args: the kernel's runtime arguments, positionally, in signature order.
+        num_warps: warps per program.
+        **consts: the constexpr parameters (by keyword), and any other launch option.
+
+    Returns:
+        None; the kernel is enqueued on the current CUDA stream, as Triton's launch does.
+    """
+    entry = None
+    if _fast_path_on(kernel):
+        device = torch.cuda.current_device()
+        runtime = _knobs.runtime
+        # consts: in call order (finer than sorted, and cheaper) and with their types (1 == 1.0 == True)
+        key = (id(kernel), num_warps, tuple(consts.items()), tuple(map(type, consts.values())), device,
+               runtime.debug, _knobs.compilation.instrumentation_mode, *map(_spec, args))
+        try:
+            entry = _CACHE.get(key, _MISSING)
+        except TypeError:  # an unhashable constexpr value: Triton's path
+            entry = None
+        if entry is _MISSING:
+            entry = _build_entry(kernel, grid, args, num_warps, consts)
+            if entry is not _MISSING:
+                if len(_CACHE) >= _MAX_ENTRIES:
+                    _CACHE.clear()
+                _CACHE[key] = entry
+            else:
+                entry = None
+    if entry is None:
+        kernel[grid](*args, num_warps=num_warps, **consts)
+        return
+    run, function, metadata, names, _ = entry
+    g0, g1, g2 = (*grid, 1, 1)[:3]
+    # launch metadata, enter hook, exit hook: all None while no hook is set
+    run(g0, g1, g2, _STREAM_GETTER(device), function, metadata, None, None, None, *args, *map(consts.get, names))
