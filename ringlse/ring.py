@@ -60,9 +60,9 @@ def _held_blocks(comm: RingComm, own: tuple[torch.Tensor, torch.Tensor], kv_own:
     """Yield `(s, kv)` for s = 0 .. W-1: the K/V of rank (rank - s) mod W once it has arrived
     (`own`, this rank's `(k, v)`, for s = 0, `bufs[s % 3]` after); the caller queues its work on `kv`
     before asking for the next block. `kv_own` is the packed K/V that NCCL sends (None when blocks
-    are pulled: `pulled` packed its own). `ready` (a CUDA event, None on CPU) is recorded once
-    `kv_own` is written and after `bufs` were allocated: transfers wait for it and the events below
-    only, so every earlier user of the buffers' memory must be queued before it.
+    are pulled: `pulled` packs its own after `ready`). `ready` (a CUDA event, None on CPU) is recorded
+    after `kv_own` (if any) is written and `bufs` were allocated: transfers wait for it and the events
+    below only, so every earlier user of the buffers' memory must be queued before it.
 
     Block 1's transfer is posted before step 0 is yielded. Block s+1's is posted before block s is
     yielded, waiting only for the last reader of the buffer it fills (an event), not for everything

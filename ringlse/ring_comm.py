@@ -1,5 +1,6 @@
-"""Point-to-point plumbing of the ring, and the one small collective that makes ranks agree on their
-inputs before any K/V moves (so a mismatch raises everywhere instead of hanging)."""
+"""Point-to-point plumbing of the ring, and the agreement that makes ranks compare their inputs before
+any K/V moves (so a mismatch raises everywhere instead of hanging): a table in host shared memory, a
+gloo gather, or an NCCL gather (`RingComm.post_agreement`)."""
 
 from __future__ import annotations
 
