@@ -253,7 +253,7 @@ def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
         for which in ("fwd", "bwd"):
             pick(f"cooperative long rows ({which})",
                  [{f"coop_{which}": 0}] + [{f"coop_{which}": 1, f"coop_piece_{which}": p, f"coop_warps_{which}": w}
-                                          for p, w in ((1024, 4), (2048, 4), (4096, 8), (8192, 8))],
+                                          for p, w in ((1024, 2), (2048, 4), (4096, 4), (4096, 8))],
                  coop_cases, which)
     long_fwd = coop_cases + [(4, 1 << 20), (8, 131072)]
     pick("look-back long rows (fwd)",

@@ -353,7 +353,7 @@ def test_kernel_cooperative_one_piece_per_row(kernels, monkeypatch, mode):
     """The cooperative kernels under the interpreter: with one piece per row a program waits only on
     itself (more pieces would wait on programs the interpreter has not run yet; the GPU tests cover
     those). Rows are spread over 3 programs, strided columns included."""
-    monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which: (1, 1 << (N - 1).bit_length(), 4))
+    monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize: (1, 1 << (N - 1).bit_length(), 4))
     monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: min(R, 3))
     monkeypatch.setitem(kernels.TUNING, "max_row_block", 16)
     monkeypatch.setitem(kernels.TUNING, "max_row_block_bwd", 16)
@@ -589,7 +589,7 @@ COOP_CASES = [  # rows, cols, dim, dtype: pieces of a row in registers, merged a
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("piece,warps", [(1024, 4), (2048, 4), (4096, 8)], ids=lambda v: str(v))
+@pytest.mark.parametrize("piece,warps", [(1024, 2), (2048, 4), (4096, 8)], ids=lambda v: str(v))
 @pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
 @pytest.mark.parametrize("rows,cols,dim,dtype", COOP_CASES)
 def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, piece, warps):
@@ -598,7 +598,8 @@ def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, pi
     knobs = {"max_row_block": 16, "max_row_block_bwd": 16, "coop_max_pieces": 1 << 20, "coop_min_rows": 1,
              "lookback_fwd": 0}
     for which in ("fwd", "bwd"):
-        knobs.update({f"coop_{which}": 1, f"coop_piece_{which}": piece, f"coop_warps_{which}": warps})
+        knobs.update({f"coop_{which}": 1, f"coop_piece_{which}": piece, f"coop_warps_{which}": warps,
+                      f"coop_piece_{which}_16": piece, f"coop_warps_{which}_16": warps})
     for key, value in knobs.items():
         monkeypatch.setitem(ks.TUNING, key, value)
     ran = []
@@ -615,6 +616,31 @@ def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, pi
     assert ran == [True, True]
     assert not torch.isnan(dx).any()
     judge_against("dx", dx, x, dim, mode, dtype, g=g)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_cooperative_longer_pieces_for_long_rows(monkeypatch, dtype):
+    """A row of more than `coop_max_pieces` pieces takes longer pieces (here 1024 columns x 40 pieces
+    -> 8192 x 5 on 8 warps), through the default launch path."""
+    from ringlse.kernels import softmax as ks
+
+    knobs = {"max_row_block": 16, "max_row_block_bwd": 16, "coop_max_pieces": 8, "coop_min_rows": 1}
+    for which, half in (("fwd", ""), ("fwd", "_16"), ("bwd", ""), ("bwd", "_16")):
+        knobs.update({f"coop_piece_{which}{half}": 1024, f"coop_warps_{which}{half}": 2})
+    for key, value in knobs.items():
+        monkeypatch.setitem(ks.TUNING, key, value)
+    assert ks._coop_plan(70, 40001, torch.device("cuda"), "fwd", 4) == (5, 8192, 8)
+    ran = []
+    launch = ks._coop_launch
+    monkeypatch.setattr(ks, "_coop_launch", lambda *args: ran.append(launch(*args)) or ran[-1])
+    x = make_x((70, 40001), -1, dtype, scale=3.0, seed=18, device="cuda")
+    for mode in ("softmax", "log_softmax"):
+        y = ks.softmax_forward(x, -1, log=mode == "log_softmax")
+        judge_against("fwd", y, x, -1, mode, dtype)
+        g = torch.randn(x.shape, device="cuda", dtype=F64).to(dtype)
+        judge_against("dx", ks.softmax_backward(y, g, -1, log=mode == "log_softmax"), x, -1, mode, dtype, g=g)
+    assert ran == [True] * 4
 
 
 LOOKBACK_CASES = [  # rows, cols, dim, dtype, knobs: stats and normalising programs in one launch
