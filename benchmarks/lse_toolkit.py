@@ -195,25 +195,29 @@ def family_case(rows: int, cols: int, dtype: torch.dtype, copy: float) -> list[d
 
 
 def _time_knobs(knobs: dict, cases: list[tuple[int, int]], what: str) -> dict:
-    """Median ms of `what` (fwd: softmax forward; bwd: softmax backward; both: their sum; lse:
-    logsumexp forward) per fp32 case under `knobs`, restoring the tuning afterwards."""
+    """GPU ms (`graph_ms`) of `what` (fwd: softmax forward; bwd: softmax backward; both: their sum;
+    lse: logsumexp forward) per fp32 case under `knobs`, restoring the tuning afterwards. GPU time,
+    not eager time: a small case's eager time can be its host time, and one slow host call once
+    picked the wrong chunk size for every few-row launch (4x1M: 19 -> 49 us in one sweep)."""
     saved = dict(ks.TUNING)
     ks.TUNING.update(knobs)
-    rec = {"knobs": knobs, "what": what, "ms": {}}
+    rec = {"knobs": knobs, "what": what, "ms": {}, "timing": "graph_ms"}
     try:
         for rows, cols in cases:
-            x = torch.randn(rows, cols, device="cuda") * 3
-            if what == "fwd":
-                ms = bench(lambda: ks.softmax_forward(x))
-            elif what == "lse":
-                ms = bench(lambda: ks.logsumexp_forward(x))
+            # enough input copies to outgrow L2 (100 MB) when one input fits in it, as in family_case
+            xs = [torch.randn(rows, cols, device="cuda") * 3 for _ in range(min(16, -(-100_000_000 // (rows * cols * 4))))]
+            fwd = [lambda x=x: ks.softmax_forward(x) for x in xs]
+            if what == "lse":
+                ms = graph_ms([lambda x=x: ks.logsumexp_forward(x) for x in xs])
+            elif what == "fwd":
+                ms = graph_ms(fwd)
             else:
-                y = ks.softmax_forward(x)
-                g = torch.randn_like(y)
-                ms = bench(lambda: ks.softmax_backward(y, g))
+                ys = [ks.softmax_forward(x) for x in xs]
+                ms = graph_ms([lambda y=y, g=torch.randn_like(y): ks.softmax_backward(y, g) for y in ys])
                 if what == "both":
-                    ms += bench(lambda: ks.softmax_forward(x))
+                    ms += graph_ms(fwd)
             rec["ms"][f"{rows}x{cols}"] = ms
+            del xs, fwd
         rec["total_ms"] = sum(rec["ms"].values())
     except Exception as e:  # a variant that does not compile or fit is data too
         rec["error"] = repr(e)[:300]
@@ -473,7 +477,8 @@ def main() -> None:
         "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "timing": "triton.testing.do_bench median (L2 flushed per run); *_gpu_ms: CUDA-graph replay of 20 "
-                  "calls over rotated input copies, CUDA events, median of 15 replays",
+                  "calls over rotated input copies, CUDA events, median of 15 replays; the softmax knob sweep "
+                  "(variants) picks by that GPU time",
         "peer_figures_DESIGN_s9": PEER_FIGURES, "bars": BARS,
         "tuning_softmax": dict(ks.TUNING), "tuning_log_bmm": dict(kl.TUNING),
         "softmax_family": [], "variants": [], "log_bmm": [], "log_bmm_variants": [],
