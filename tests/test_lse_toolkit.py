@@ -643,6 +643,31 @@ def test_gpu_cooperative_longer_pieces_for_long_rows(monkeypatch, dtype):
     assert ran == [True] * 4
 
 
+@pytest.mark.gpu
+def test_gpu_cooperative_kernels_on_two_streams_at_once():
+    """Two cooperative grids that each fill the GPU, queued on two streams at once, both finish and
+    match the results of one stream: they launch as cooperative grids, so the driver never leaves part
+    of one grid waiting behind the other while its placed programs spin."""
+    from ringlse.kernels import softmax as ks
+
+    assert ks.TUNING["coop_launch"]
+    x1 = torch.randn(256, 65536, device="cuda")
+    x2 = torch.randn(128, 131072, device="cuda", dtype=torch.bfloat16)
+    want = [ks.softmax_forward(x1), ks.softmax_forward(x2, log=True)]
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    got = [], []
+    torch.cuda.synchronize()
+    for _ in range(20):
+        with torch.cuda.stream(s1):
+            got[0].append(ks.softmax_forward(x1))
+        with torch.cuda.stream(s2):
+            got[1].append(ks.softmax_forward(x2, log=True))
+    torch.cuda.synchronize()
+    for w, gs in zip(want, got):
+        for g in gs:
+            assert torch.equal(g, w)
+
+
 LOOKBACK_CASES = [  # rows, cols, dim, dtype, knobs: stats and normalising programs in one launch
     pytest.param(3, 100003, -1, torch.float32, {}, id="3x100003-fp32"),
     pytest.param(257, 40000, -1, torch.bfloat16, {"lb_group_bytes": 1 << 20}, id="257x40000-bf16-group1M"),
