@@ -839,10 +839,25 @@ def _coop_launch(kernel, which: str, tensors: tuple, R: int, N: int, I: int, str
     words = torch.full((R, K), -1, dtype=torch.int64, device=device)  # one per piece; -1: not yet published
     args = (*tensors, words, R, N, I, *strides, K, 3)  # (3: a placeholder for SLOTS)
     slots = _coop_grid(kernel, args, consts, warps, R, K, device)
-    if slots is None:
-        return False
-    kernel[(slots * K,)](*args[:-1], slots, num_warps=warps, **consts)
-    return True
+    cap_key = (kernel.fn.__name__, K, warps, tuple(sorted(consts.items())), device.index)
+    slots = min(slots or 0, _COOP_CAP.get(cap_key, slots or 0))
+    while slots >= 1:
+        try:
+            kernel[(slots * K,)](*args[:-1], slots, num_warps=warps, **consts)
+            return True
+        except RuntimeError as e:
+            # the driver places fewer programs at once than `_resident_programs` counted (not seen on
+            # H100/H200): fewer rows in flight, remembered for the next call (a refused launch is not
+            # a sticky CUDA error)
+            if "cooperative launch" not in str(e):
+                raise
+            slots //= 2
+            _COOP_CAP[cap_key] = slots
+    return False
+
+
+# rows in flight that the driver accepted after refusing more, per kernel specialisation
+_COOP_CAP: dict[tuple, int] = {}
 
 
 def _lookback_launch(kernel, which: str, tensors: tuple, n_partials: int, R: int, N: int, I: int,

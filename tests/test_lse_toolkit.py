@@ -363,6 +363,40 @@ def test_kernel_cooperative_one_piece_per_row(kernels, monkeypatch, mode):
     judge_against("dx", kernel_backward(kernels, mode, x, g, 1), x, 1, mode, torch.float32, g=g)
 
 
+def test_cooperative_launch_refused_takes_fewer_rows_in_flight(kernels, monkeypatch):
+    """If the driver refuses a cooperative grid as too large, the launcher halves the rows in flight
+    (remembering it) and, at zero, lets the caller take another path; other errors propagate."""
+    monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize: (2, 4, 1))
+    monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: 8)
+    monkeypatch.setattr(kernels, "_COOP_CAP", {})
+    grids = []
+
+    class FakeKernel:
+        fn = kernels._fwd_coop_kernel.fn
+
+        def __init__(self, limit, message="Triton Error [CUDA]: too many blocks in cooperative launch"):
+            self.limit, self.message = limit, message
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                grids.append(grid[0])
+                if grid[0] > self.limit:
+                    raise RuntimeError(self.message)
+            return run
+
+    x, y = torch.zeros(16, 8), torch.zeros(16, 8)
+    strides = (8, 0, 1, 8, 0, 1)
+    assert kernels._coop_launch(FakeKernel(6), "fwd", (x, y), 16, 8, 1, strides, {"MODE": 0})
+    assert grids == [16, 8, 4]  # 8 and 4 rows in flight (x 2 pieces) refused, 2 accepted
+    assert list(kernels._COOP_CAP.values()) == [2]
+    grids.clear()
+    assert kernels._coop_launch(FakeKernel(6), "fwd", (x, y), 16, 8, 1, strides, {"MODE": 0})
+    assert grids == [4]  # straight to the remembered 2 rows in flight
+    assert not kernels._coop_launch(FakeKernel(0), "fwd", (x, y), 16, 8, 1, strides, {"MODE": 0})
+    with pytest.raises(RuntimeError, match="out of memory"):
+        kernels._coop_launch(FakeKernel(0, "CUDA out of memory"), "fwd", (x, y), 16, 8, 1, strides, {"MODE": 1})
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_autograd_vs_float64(kernels, mode):
     """Gradients through the kernels' autograd Functions against float64 (float32: §7 bound rather
