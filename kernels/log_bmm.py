@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ringlse.kernels.host import cdiv
+from ringlse.kernels.host import cdiv, next_power_of_2
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -38,6 +38,13 @@ TUNING: dict[str, int] = {
     "bwd_warps": 8,
     "bwd_vecs": 4,
     "bwd_unroll": 4,
+    # backward through tile-local maxima and a float32 matmul (`_log_bmm_grad_dot_kernel`)
+    "bwd_dot": 1,
+    "dot_bx": 64,
+    "dot_by": 64,
+    "dot_bs": 32,
+    "dot_warps": 4,
+    "dot_max_shift": 64,
 }
 
 _VEC = 4  # float32 values per 16-byte vector
@@ -106,9 +113,10 @@ def _neg_out2(o):
 
 @triton.jit
 def _log_bmm_grad_kernel(
-    x_ptr, v_ptr, o_ptr, g_ptr, d_ptr, X, Y, S,
-    sx_b, sx_x, sv_b, sv_s, so_b, so_s, sd_b, sd_x,
+    x_ptr, v_ptr, o_ptr, g_ptr, d_ptr, flag_ptr, X, Y, S,
+    sx_b, sx_x, sv_b, sv_s, so_b, so_s, sd_b, sd_x, FX, FY,
     YR: tl.constexpr, NUM_WARPS: tl.constexpr, UNROLL: tl.constexpr,
+    FLAGS: tl.constexpr = False, DBX: tl.constexpr = 1, DBY: tl.constexpr = 1, FXB: tl.constexpr = 1,
 ):
     """d[x, y] = sum_s exp(x[x, y] + v[s, y] - o[s, x]) * g[s, x], a tile of d per program.
 
@@ -118,20 +126,90 @@ def _log_bmm_grad_kernel(
     Shapes: x, d [B, X, Y] (unit y stride); v [B, S, Y_pad]; o, g [B, S, X] (unit x stride).
     """
     bid = tl.program_id(2).to(tl.int64)
-    xi, yi = _tile(tl.program_id(0), tl.program_id(1), 8, YR, NUM_WARPS)
-    mask_x = xi < X
-    mask = mask_x & (yi < Y)
-    xt = tl.load(x_ptr + bid * sx_b + xi * sx_x + yi, mask=mask, other=float("-inf"))
-    v_ptrs = v_ptr + bid * sv_b + yi
-    o_ptrs = o_ptr + bid * so_b + xi
-    g_ptrs = g_ptr + bid * so_b + xi
-    acc = tl.zeros([8, 4, 4 * NUM_WARPS, YR], tl.float32)
-    for s in tl.range(0, S, loop_unroll_factor=UNROLL):
-        vv = tl.load(v_ptrs + s * sv_s)
-        ov = tl.load(o_ptrs + s * so_s, mask=mask_x, other=float("inf"))
-        gv = tl.load(g_ptrs + s * so_s, mask=mask_x, other=0.0)
-        acc += tl.exp2((xt + vv) * LOG2E + _neg_out2(ov)) * gv
-    tl.store(d_ptr + bid * sd_b + xi * sd_x + yi, acc, mask=mask)
+    todo = tl.full([], 1, tl.int32)
+    if FLAGS:
+        # only the tiles the factored kernel left (`_log_bmm_grad_dot_kernel`, tiles of DBX x DBY, FX x FY
+        # of them per batch) that overlap this program's tile
+        x0 = tl.program_id(0) * (32 * NUM_WARPS)
+        fx = x0 // DBX + tl.arange(0, FXB)
+        fy = tl.program_id(1) * (4 * YR) // DBY
+        f = tl.load(flag_ptr + (bid * FY + fy) * FX + fx, mask=(fx < FX) & (fx * DBX < x0 + 32 * NUM_WARPS), other=0)
+        todo = tl.max(f, axis=0)
+    if todo > 0:
+        xi, yi = _tile(tl.program_id(0), tl.program_id(1), 8, YR, NUM_WARPS)
+        mask_x = xi < X
+        mask = mask_x & (yi < Y)
+        xt = tl.load(x_ptr + bid * sx_b + xi * sx_x + yi, mask=mask, other=float("-inf"))
+        v_ptrs = v_ptr + bid * sv_b + yi
+        o_ptrs = o_ptr + bid * so_b + xi
+        g_ptrs = g_ptr + bid * so_b + xi
+        acc = tl.zeros([8, 4, 4 * NUM_WARPS, YR], tl.float32)
+        for s in tl.range(0, S, loop_unroll_factor=UNROLL):
+            vv = tl.load(v_ptrs + s * sv_s)
+            ov = tl.load(o_ptrs + s * so_s, mask=mask_x, other=float("inf"))
+            gv = tl.load(g_ptrs + s * so_s, mask=mask_x, other=0.0)
+            acc += tl.exp2((xt + vv) * LOG2E + _neg_out2(ov)) * gv
+        tl.store(d_ptr + bid * sd_b + xi * sd_x + yi, acc, mask=mask)
+
+
+@triton.jit
+def _log_bmm_grad_dot_kernel(
+    x_ptr, v_ptr, o_ptr, g_ptr, d_ptr, flag_ptr, X, Y, S,
+    sx_b, sx_x, sv_b, sv_s, so_b, so_s, sd_b, sd_x,
+    BX: tl.constexpr, BY: tl.constexpr, BS: tl.constexpr, MAX_SHIFT: tl.constexpr,
+):
+    """`_log_bmm_grad_kernel`'s d, with the exps of each term factored through tile-local maxima.
+
+    For a tile of d (rows x, columns y) and a step of s: with mx[x] = max over the tile's y of x[x, y]
+    and mv[s] = max over the tile's y of v[s, y],
+        exp(x[x,y] + v[s,y] - o[s,x]) g[s,x] = X'[x,y] V'[s,y] W[s,x],
+        X' = exp(x - mx), V' = exp(v - mv) (both <= 1), W = exp(mx + mv - o) g,
+    so d = X' * (W^T V'): a float32 matmul plus exps per tile edge instead of one exp per term. Since
+    o[s,x] >= x[x,y] + v[s,y] for every y, the exponent of W is at most the spread of x or of v over the
+    tile; where it exceeds MAX_SHIFT (natural log units) anywhere in a step, or W is not finite, the tile
+    is left to the exact kernel (values spread over hundreds, e.g. log-probabilities x100): its flag in
+    `flag_ptr` `[B, tiles y, tiles x]` is set and nothing is stored.
+    A product X'V' that underflows stands for a term below exp(MAX_SHIFT - 103) |g|: negligible next to the
+    float32 rounding of the sum. -inf entries (log zero) give zero factors; an -inf o gives W = 0.
+    """
+    bid = tl.program_id(2).to(tl.int64)
+    xs = tl.program_id(0) * BX + tl.arange(0, BX)
+    ys = tl.program_id(1) * BY + tl.arange(0, BY)
+    mask_x = xs < X
+    mask_y = ys < Y
+    xt = tl.load(x_ptr + bid * sx_b + xs[:, None] * sx_x + ys[None, :], mask=mask_x[:, None] & mask_y[None, :],
+                 other=float("-inf"))
+    mx = tl.max(xt, axis=1)  # [BX]
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    acc = tl.zeros([BX, BY], tl.float32)  # sum of W V' (times X' at the end)
+    ok = tl.full([], 1, tl.int32)
+    for s0 in range(0, S, BS):
+        if ok == 1:
+            ss = s0 + tl.arange(0, BS)
+            mask_s = ss < S
+            vt = tl.load(v_ptr + bid * sv_b + ss[:, None] * sv_s + ys[None, :],
+                         mask=mask_s[:, None] & mask_y[None, :], other=float("-inf"))  # [BS, BY]
+            ot = tl.load(o_ptr + bid * so_b + ss[:, None] * so_s + xs[None, :],
+                         mask=mask_s[:, None] & mask_x[None, :], other=float("-inf"))  # [BS, BX]
+            gt = tl.load(g_ptr + bid * so_b + ss[:, None] * so_s + xs[None, :],
+                         mask=mask_s[:, None] & mask_x[None, :], other=0.0)
+            mv = tl.max(vt, axis=1)  # [BS]
+            mv_safe = tl.where(mv == float("-inf"), 0.0, mv)
+            zero = (ot == float("-inf")) | (mv[:, None] == float("-inf")) | (mx[None, :] == float("-inf"))
+            e = tl.where(zero, float("-inf"), mx_safe[None, :] + mv_safe[:, None] - ot)  # [BS, BX]
+            w = tl.where(zero, 0.0, tl.exp2(e * LOG2E) * gt)
+            risky = (e > MAX_SHIFT) | (tl.abs(w) == float("inf")) | (w != w)
+            if tl.sum(risky.to(tl.int32)) == 0:
+                vp = tl.exp2((vt - mv_safe[:, None]) * LOG2E)  # [BS, BY], 0 for -inf entries
+                acc += tl.dot(tl.trans(w), vp, input_precision="ieee")
+            else:
+                ok = tl.full([], 0, tl.int32)
+    if ok == 1:
+        d = tl.exp2((xt - mx_safe[:, None]) * LOG2E) * acc
+        tl.store(d_ptr + bid * sd_b + xs[:, None] * sd_x + ys[None, :], d, mask=mask_x[:, None] & mask_y[None, :])
+    else:
+        # the exact kernel redoes this tile (`_log_bmm_grad_kernel` with FLAGS)
+        tl.store(flag_ptr + (bid * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0), 1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -214,15 +292,36 @@ def _grad(x: torch.Tensor, v: torch.Tensor, o: torch.Tensor, g: torch.Tensor) ->
         return d
     if S == 0:
         return d.zero_()
-    warps, vecs = _warps_vecs("bwd")
-    bx, by = 32 * warps, _VEC * vecs
     x = x.to(torch.float32).contiguous()
-    v = _padded_f32(v, cdiv(Y, by) * by)
     o = o.to(torch.float32).contiguous()
     g = g.to(torch.float32).contiguous()
-    _log_bmm_grad_kernel[(cdiv(X, bx), cdiv(Y, by), B)](
-        x, v, o, g, d, X, Y, S, x.stride(0), x.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        d.stride(0), d.stride(1), YR=vecs, NUM_WARPS=warps, UNROLL=int(TUNING["bwd_unroll"]), num_warps=warps,
+    warps, vecs = _warps_vecs("bwd")
+    bx, by = 32 * warps, _VEC * vecs
+    vp = _padded_f32(v, cdiv(Y, by) * by)
+    exact = dict(YR=vecs, NUM_WARPS=warps, UNROLL=int(TUNING["bwd_unroll"]), num_warps=warps)
+    grid = (cdiv(X, bx), cdiv(Y, by), B)
+    if not TUNING["bwd_dot"]:
+        _log_bmm_grad_kernel[grid](
+            x, vp, o, g, d, d, X, Y, S, x.stride(0), x.stride(1), vp.stride(0), vp.stride(1), o.stride(0),
+            o.stride(1), d.stride(0), d.stride(1), 1, 1, **exact,
+        )
+        return d
+    dbx, dby, dbs = int(TUNING["dot_bx"]), int(TUNING["dot_by"]), int(TUNING["dot_bs"])
+    if dby % by:  # an exact tile must lie in one column of factored tiles (its flag check reads one)
+        raise ValueError(f"log_bmm: TUNING dot_by={dby} must be a multiple of the exact tile's {by} columns")
+    v = v.to(torch.float32).contiguous()
+    fx, fy = cdiv(X, dbx), cdiv(Y, dby)
+    flags = torch.zeros((B, fy, fx), dtype=torch.int32, device=x.device)
+    _log_bmm_grad_dot_kernel[(fx, fy, B)](
+        x, v, o, g, d, flags, X, Y, S, x.stride(0), x.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+        d.stride(0), d.stride(1), BX=dbx, BY=dby, BS=dbs, MAX_SHIFT=float(TUNING["dot_max_shift"]),
+        num_warps=int(TUNING["dot_warps"]),
+    )
+    # the tiles it left, exactly (programs over other tiles return at once)
+    _log_bmm_grad_kernel[grid](
+        x, vp, o, g, d, flags, X, Y, S, x.stride(0), x.stride(1), vp.stride(0), vp.stride(1), o.stride(0),
+        o.stride(1), d.stride(0), d.stride(1), fx, fy, **exact, FLAGS=True, DBX=dbx, DBY=dby,
+        FXB=next_power_of_2(cdiv(bx, dbx) + 1),
     )
     return d
 

@@ -550,6 +550,29 @@ def test_kernel_log_bmm(lbmm, dims, dtype, scale):
     assert torch.all(ga0 == 0) and torch.all(gb0 == 0)
 
 
+@pytest.mark.parametrize("knobs", [
+    {"bwd_dot": 0},  # the exact kernel alone
+    {"bwd_dot": 1, "dot_bx": 16, "dot_by": 16, "dot_bs": 8},  # factored tiles, wide ones redone exactly
+    {"bwd_dot": 1, "dot_max_shift": -1e9},  # every tile redone exactly
+    {"bwd_dot": 1, "dot_max_shift": 1e9},  # factored wherever W stays finite
+], ids=["exact", "mixed", "all-exact", "all-factored"])
+def test_kernel_log_bmm_backward_paths(lbmm, monkeypatch, knobs):
+    """The factored backward (tile-local maxima, a float32 matmul) and its exact fallback per tile:
+    one half of the inputs spread over hundreds (those tiles fall back), the other over a few units."""
+    for key, value in knobs.items():
+        monkeypatch.setitem(lbmm.TUNING, key, value)
+    a, b = make_ab(2, 40, 50, 36, torch.float32, scale=2.0, seed=12)
+    a[:, 20:] *= 100.0
+    b[:, :, 18:] *= 100.0
+    out = lbmm.log_bmm_forward(a, b)
+    g = torch.randn(out.shape)
+    ga, gb = lbmm.log_bmm_backward(a, b, out, g)
+    _, ra, rb = log_bmm_ref(a, b, g)
+    assert_judged("grad_a", ga, ra, None, torch.float32)
+    assert_judged("grad_b", gb, rb, None, torch.float32)
+    assert not (ga.isnan().any() or gb.isnan().any())
+
+
 def test_kernel_log_bmm_autograd(lbmm):
     a, b = make_ab(1, 20, 33, 9, torch.float16, seed=12)
     a.requires_grad_()
