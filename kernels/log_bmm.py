@@ -45,6 +45,7 @@ TUNING: dict[str, int] = {
     "dot_bs": 32,
     "dot_warps": 4,
     "dot_max_shift": 64,
+    "dot_min_tiles": 256,  # fewer factored tiles than this (all batches): the exact kernel alone
 }
 
 _VEC = 4  # float32 values per 16-byte vector
@@ -300,17 +301,19 @@ def _grad(x: torch.Tensor, v: torch.Tensor, o: torch.Tensor, g: torch.Tensor) ->
     vp = _padded_f32(v, cdiv(Y, by) * by)
     exact = dict(YR=vecs, NUM_WARPS=warps, UNROLL=int(TUNING["bwd_unroll"]), num_warps=warps)
     grid = (cdiv(X, bx), cdiv(Y, by), B)
-    if not TUNING["bwd_dot"]:
+    dbx, dby, dbs = int(TUNING["dot_bx"]), int(TUNING["dot_by"]), int(TUNING["dot_bs"])
+    fx, fy = cdiv(X, dbx), cdiv(Y, dby)
+    # few factored tiles leave most SMs idle, each walking all of S: the exact kernel's narrower tiles
+    # spread such problems wider (H200: 2x97x1000x130 0.16 ms exact, 0.41 ms factored over 64 tiles)
+    if not TUNING["bwd_dot"] or B * fx * fy < int(TUNING["dot_min_tiles"]):
         _log_bmm_grad_kernel[grid](
             x, vp, o, g, d, d, X, Y, S, x.stride(0), x.stride(1), vp.stride(0), vp.stride(1), o.stride(0),
             o.stride(1), d.stride(0), d.stride(1), 1, 1, **exact,
         )
         return d
-    dbx, dby, dbs = int(TUNING["dot_bx"]), int(TUNING["dot_by"]), int(TUNING["dot_bs"])
     if dby % by:  # an exact tile must lie in one column of factored tiles (its flag check reads one)
         raise ValueError(f"log_bmm: TUNING dot_by={dby} must be a multiple of the exact tile's {by} columns")
     v = v.to(torch.float32).contiguous()
-    fx, fy = cdiv(X, dbx), cdiv(Y, dby)
     flags = torch.zeros((B, fy, fx), dtype=torch.int32, device=x.device)
     _log_bmm_grad_dot_kernel[(fx, fy, B)](
         x, v, o, g, d, flags, X, Y, S, x.stride(0), x.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),

@@ -552,10 +552,11 @@ def test_kernel_log_bmm(lbmm, dims, dtype, scale):
 
 @pytest.mark.parametrize("knobs", [
     {"bwd_dot": 0},  # the exact kernel alone
-    {"bwd_dot": 1, "dot_bx": 16, "dot_by": 16, "dot_bs": 8},  # factored tiles, wide ones redone exactly
-    {"bwd_dot": 1, "dot_max_shift": -1e9},  # every tile redone exactly
-    {"bwd_dot": 1, "dot_max_shift": 1e9},  # factored wherever W stays finite
-], ids=["exact", "mixed", "all-exact", "all-factored"])
+    {"bwd_dot": 1, "dot_min_tiles": 1, "dot_bx": 16, "dot_by": 16, "dot_bs": 8},  # wide tiles redone exactly
+    {"bwd_dot": 1, "dot_min_tiles": 1, "dot_max_shift": -1e9},  # every tile redone exactly
+    {"bwd_dot": 1, "dot_min_tiles": 1, "dot_max_shift": 1e9},  # factored wherever W stays finite
+    {"bwd_dot": 1, "dot_min_tiles": 1 << 30},  # too few tiles: the exact kernel alone
+], ids=["exact", "mixed", "all-exact", "all-factored", "few-tiles"])
 def test_kernel_log_bmm_backward_paths(lbmm, monkeypatch, knobs):
     """The factored backward (tile-local maxima, a float32 matmul) and its exact fallback per tile:
     one half of the inputs spread over hundreds (those tiles fall back), the other over a few units."""
@@ -846,7 +847,12 @@ def test_gpu_matches_torch_softmax():
 @pytest.mark.parametrize(
     "dims", [pytest.param((2, 97, 130, 200), id="2x97x130x200"), pytest.param((1, 256, 64, 256), id="1x256x64x256")]
 )
-def test_gpu_log_bmm(dims, dtype):
+@pytest.mark.parametrize("factored", [False, True], ids=["exact", "factored"])
+def test_gpu_log_bmm(monkeypatch, dims, dtype, factored):
+    from ringlse.kernels import log_bmm as kl
+
+    monkeypatch.setitem(kl.TUNING, "bwd_dot", int(factored))
+    monkeypatch.setitem(kl.TUNING, "dot_min_tiles", 1)
     a, b = make_ab(*dims, dtype, seed=15, device="cuda")
     a.requires_grad_()
     b.requires_grad_()
