@@ -13,10 +13,17 @@ chunk), every exponent is <= 0 (no overflow) and the largest term is 1 (no under
 Backward (`g` = d loss / d out):
     grad_a[i,k] = sum_j exp(a[i,k] + b[k,j] - out[i,j]) * g[i,j]
     grad_b[k,j] = sum_i exp(a[i,k] + b[k,j] - out[i,j]) * g[i,j]
-one kernel run twice (grad_b^T has grad_a's form on the transposed problem), a tile of the gradient in
-registers walking the summed index, one exp per term each time; exponents are <= 0
-because out >= a + b. An `out` of -inf (all terms -inf) is replaced by +inf so that its terms give
-exp(-inf) = 0 and never `-inf - -inf` = NaN: such entries get zero gradients.
+each computed on the same form (grad_b^T has grad_a's form on the transposed problem) by two kernels:
+- factored (`_log_bmm_grad_dot_kernel`, problems of >= `dot_min_tiles` tiles): each term is split
+  through tile-local maxima into exp(a - max) * exp(b - max) * exp(maxes - out) g, so a tile of the
+  gradient is a float32 matmul plus exps along its edges, not one exp per term (H200, 8x1024^3: 2.5 ms
+  for both gradients against 5.6 ms exact). Tiles whose shift could exceed `dot_max_shift` nats (values
+  spread over more than that) are flagged and left to the exact kernel;
+- exact (`_log_bmm_grad_kernel`): a tile of the gradient in registers walking the summed index, one exp
+  per term; exponents are <= 0 because out >= a + b. It runs alone for small problems and, after the
+  factored kernel, over the flagged tiles only.
+An `out` of -inf (all terms -inf) gives zero terms (never `-inf - -inf` = NaN): such entries get zero
+gradients.
 """
 
 from __future__ import annotations
