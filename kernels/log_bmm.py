@@ -320,10 +320,10 @@ def _grad(x: torch.Tensor, v: torch.Tensor, o: torch.Tensor, g: torch.Tensor) ->
         return d
     if dby % by:  # an exact tile must lie in one column of factored tiles (its flag check reads one)
         raise ValueError(f"log_bmm: TUNING dot_by={dby} must be a multiple of the exact tile's {by} columns")
-    v = v.to(torch.float32).contiguous()
     flags = torch.zeros((B, fy, fx), dtype=torch.int32, device=x.device)
+    # the padded copy serves both kernels (the factored one masks columns >= Y itself)
     _log_bmm_grad_dot_kernel[(fx, fy, B)](
-        x, v, o, g, d, flags, X, Y, S, x.stride(0), x.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+        x, vp, o, g, d, flags, X, Y, S, x.stride(0), x.stride(1), vp.stride(0), vp.stride(1), o.stride(0), o.stride(1),
         d.stride(0), d.stride(1), BX=dbx, BY=dby, BS=dbs, MAX_SHIFT=float(TUNING["dot_max_shift"]),
         num_warps=int(TUNING["dot_warps"]),
     )
