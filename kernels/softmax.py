@@ -23,9 +23,13 @@ Three row regimes, chosen by `_plan`:
   writes from registers: one read, one write. The forward publishes the next row's word before it
   waits for this row's, so the wait is mostly hidden (H200, fp32 rows of 64K-262K columns: ~0.9x copy
   bandwidth, from 0.77x with a release counter per row and no pipelining). The grid is sized from the
-  compiled kernel's occupancy and launched as a cooperative grid, so every program is resident at
-  once (a program waits only on programs that are running); the Triton interpreter runs programs one
-  after another, so there (CPU) the other paths are used.
+  compiled kernel's occupancy (`occupancy.py`) and launched as a cooperative grid, so every program is
+  resident at once (a program waits only on programs that are running); the Triton interpreter runs
+  programs one after another, so there (CPU) the other paths are used, except for rows of one piece.
+  bf16/fp16 rows are read and written as int32 words of two elements, so that the three row pieces a
+  program carries take a register per two elements (H200, 512 x 131072 bf16: 0.73 -> 0.85x copy, with a
+  register cap); rows of more than `coop_long_pieces` pieces take longer pieces ("_long" knobs: H200,
+  64 x 1M fp32: 0.75 -> 0.92x copy).
 
 All arithmetic is float32 whatever the input dtype (fp32/bf16/fp16), outputs are in the input dtype.
 An all `-inf` row gives softmax 0, log_softmax `-inf`, logsumexp `-inf`, and no NaN anywhere, forward
@@ -43,6 +47,7 @@ import triton.language as tl
 
 from ringlse.kernels.host import cdiv, next_power_of_2
 from ringlse.kernels.launch import _raw_stream, launch
+from ringlse.kernels.occupancy import blocks_per_sm_by_driver, blocks_per_sm_by_rules
 
 # constexpr globals: the only kind a @triton.jit function may read
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -56,6 +61,9 @@ _LOGSUMEXP: int = 2
 # defaults = the winners of the tuning sweep in benchmarks/results/lse_toolkit-nvidia-h200.json
 TUNING: dict[str, int | None] = {
     "max_row_block": 32768,  # forward: rows up to this many columns stay in registers
+    # the same for bf16/fp16: longer rows take the cooperative kernel, which reads them as pairs
+    # (H200, 2048 x 32768 bf16: 0.75x copy in the row kernel, 0.85x cooperative)
+    "max_row_block_16": 16384,
     "max_row_block_bwd": 16384,  # backward holds two rows (y and g), so half of that
     "tile": 4096,  # elements per program for short rows (several rows per program)
     # rows of at most this many (padded) columns: smaller tiles of 2 warps (measured on H200, graph
@@ -78,12 +86,30 @@ TUNING: dict[str, int | None] = {
     "coop_warps_bwd": 4,
     "coop_piece_bwd_16": 4096,
     "coop_warps_bwd_16": 4,
+    # register caps (None: as many as the compiler takes). bf16/fp16: 168 fits three warps per
+    # scheduler where the compiler took 196 and fitted two (H200, 512 x 131072 bf16: 0.72 -> 0.83x copy)
+    "coop_maxnreg_fwd": None,
+    "coop_maxnreg_fwd_16": 168,
+    "coop_maxnreg_bwd": None,
+    "coop_maxnreg_bwd_16": None,
+    # the float32 forward's plan for rows of more than `coop_long_pieces` pieces or too long for
+    # `coop_min_slots` rows in flight (`_coop_launch`)
+    "coop_min_slots": 2,
+    "coop_long_pieces": 128,
+    "coop_piece_fwd_long": 4096,
+    "coop_warps_fwd_long": 4,
+    "coop_maxnreg_fwd_long": 128,
     "coop_max_pieces": 512,
     "coop_min_rows": 64,
+    # ... or, forward only, at least this many elements (H200, 32 x 2M fp32: 0.60x copy in the split
+    # launches, 0.90x cooperative)
+    "coop_min_elems_fwd": 1 << 25,
     # launch them as cooperative grids: the driver then places every program of the grid at once or
     # refuses the launch. Without it a program could spin on a piece that another kernel (on another
     # stream) keeps from being scheduled while that kernel waits the same way. Costs 2-3% on H200.
     "coop_launch": 1,
+    # 2-byte rows read and written as int32 words of two elements (`_fwd_coop_kernel`, PACK)
+    "coop_pack": 1,
     # long rows in one launch, stats and normalising programs interleaved (`_fwd_lookback_kernel`,
     # `_bwd_lookback_kernel`; where the cooperative kernels do not apply): on/off, columns per program,
     # per chunk, warps, most pieces per row, bytes per group of rows. Off: since the cooperative
@@ -520,10 +546,74 @@ def _await_words(w_ptr, base, K, KB: tl.constexpr):
 
 
 @triton.jit
+def _unpack_pair(w, PACK: tl.constexpr):
+    """An int32 word holding two 16-bit floats (bf16 when PACK == 1, fp16 when 2) as float32 (low, high)."""
+    if PACK == 1:  # a bf16 is the top half of the float32 with the same value
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _pack_pair(lo, hi, PACK: tl.constexpr, ASM: tl.constexpr):
+    """Two float32 tensors rounded to bf16 (PACK == 1) or fp16 (2) as int32 words (lo in the low half).
+
+    ASM (compiled only): one `cvt` per pair, a packed conversion on the ALU. Converted one by one, each
+    element took an F2F on the unit that also computes the exps (measured on H200: that unit 57% busy,
+    bf16 softmax forward at 0.69x copy)."""
+    if ASM:
+        if PACK == 1:
+            w = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            w = tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        if PACK == 1:
+            lo16 = lo.to(tl.bfloat16).to(tl.int16, bitcast=True)
+            hi16 = hi.to(tl.bfloat16).to(tl.int16, bitcast=True)
+        else:
+            lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True)
+            hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True)
+        w = (hi16.to(tl.int32) << 16) | (lo16.to(tl.int32) & 0xFFFF)
+    return w
+
+
+@triton.jit
+def _piece_max_sum(v, PACK: tl.constexpr):
+    """(max, sum of exp(x - max)) over a piece held as loaded: elements, or words of two (PACK)."""
+    if PACK:
+        # exp2(x * log2 e - m * log2 e): one FMA per element. Its error, ~|m| * 1e-7 relative, is far
+        # below a 16-bit output's rounding (4e-3 for bf16)
+        lo, hi = _unpack_pair(v, PACK)
+        m = tl.maximum(tl.max(lo, axis=0), tl.max(hi, axis=0))
+        mc = tl.where(m == float("-inf"), 0.0, m) * LOG2E
+        s = tl.sum(tl.exp2(lo * LOG2E - mc) + tl.exp2(hi * LOG2E - mc), axis=0)
+    else:
+        x = v.to(tl.float32)
+        m = tl.max(x, axis=0)
+        s = tl.sum(tl.exp2((x - tl.where(m == float("-inf"), 0.0, m)) * LOG2E), axis=0)
+    return m, s
+
+
+@triton.jit
+def _normalised(x, M_safe, S, MODE: tl.constexpr):
+    """softmax (MODE 0) or log_softmax of float32 x given its row's max (0 for an all -inf row) and sum."""
+    if MODE == 0:
+        return tl.where(S > 0.0, tl.exp2((x - M_safe) * LOG2E - tl.log2(tl.where(S > 0.0, S, 1.0))), 0.0)
+    else:
+        return x - tl.where(S > 0.0, M_safe + tl.log2(S) * LN2, 0.0)
+
+
+@triton.jit
 def _fwd_coop_kernel(
     x_ptr, y_ptr, w_ptr, R, N, I,
     sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, K, SLOTS,
-    MODE: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, COL64: tl.constexpr,
+    MODE: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, COL64: tl.constexpr, PACK: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Programs `slot * K + k` hold piece k of rows slot, slot + SLOTS, ...: one read, one write.
 
@@ -531,40 +621,59 @@ def _fwd_coop_kernel(
     program publishes row r + SLOTS before it waits for row r's words, so the row's other pieces have
     a whole step to publish theirs, and the next row's piece after that is already requested. No
     deadlock: publishing row r needs only row r - SLOTS complete, and the first rows are published
-    without waiting (every program of the grid is resident, `_coop_grid`)."""
+    without waiting (every program of the grid is resident, `_coop_grid`).
+
+    PACK (1: bf16, 2: fp16): x and y are read and written as int32 words of two elements, so N, PIECE
+    and the strides count words. The three row pieces a program carries (this row, the next, the one
+    in flight) then take one register per two elements; loaded as 16-bit elements, each took a whole
+    register, and the register file, not memory, bounded the bytes in flight. ASM: packed conversions
+    (`_pack_pair`), compiled only."""
     pid = tl.program_id(0)
     slot = pid // K
     k = pid - slot * K
     cols = k * PIECE + tl.arange(0, PIECE)
     cmask = cols < N
+    if PACK:
+        xp = x_ptr.to(tl.pointer_type(tl.int32))
+        yp = y_ptr.to(tl.pointer_type(tl.int32))
+        # two -inf: the padding of a piece past the row's end
+        pad = -8323200 if PACK == 1 else -67044352  # 0xFF80FF80 (bf16), 0xFC00FC00 (fp16)
+    else:
+        xp = x_ptr
+        yp = y_ptr
+        pad = float("-inf")
     x_cols = _col_offsets(cols, sx_n, COL64)
-    x = tl.load(x_ptr + _row_start(slot, I, sx_o, sx_i) + x_cols, mask=cmask, other=float("-inf")).to(tl.float32)
+    x = tl.load(xp + _row_start(slot, I, sx_o, sx_i) + x_cols, mask=cmask, other=pad)
     nxt = slot + SLOTS
-    x_next = tl.load(x_ptr + _row_start(nxt, I, sx_o, sx_i) + x_cols, mask=cmask & (nxt < R), other=float("-inf"))
-    m = tl.max(x, axis=0)
-    e = tl.exp2((x - tl.where(m == float("-inf"), 0.0, m)) * LOG2E)
-    _publish_word(w_ptr + slot * K + k, _pack_word(m, tl.sum(e, axis=0)))
+    x_next = tl.load(xp + _row_start(nxt, I, sx_o, sx_i) + x_cols, mask=cmask & (nxt < R), other=pad)
+    m, s = _piece_max_sum(x, PACK)
+    _publish_word(w_ptr + slot * K + k, _pack_word(m, s))
     for row in range(slot, R, SLOTS):
         nxt = row + SLOTS
-        x1 = x_next.to(tl.float32)
+        x1 = x_next
         after = nxt + SLOTS
-        x_next = tl.load(x_ptr + _row_start(after, I, sx_o, sx_i) + x_cols, mask=cmask & (after < R),
-                         other=float("-inf"))
-        m1 = tl.max(x1, axis=0)
-        e1 = tl.exp2((x1 - tl.where(m1 == float("-inf"), 0.0, m1)) * LOG2E)
+        x_next = tl.load(xp + _row_start(after, I, sx_o, sx_i) + x_cols, mask=cmask & (after < R), other=pad)
         if nxt < R:
-            _publish_word(w_ptr + nxt * K + k, _pack_word(m1, tl.sum(e1, axis=0)))
+            m1, s1 = _piece_max_sum(x1, PACK)
+            _publish_word(w_ptr + nxt * K + k, _pack_word(m1, s1))
         pm, ps = _await_words(w_ptr, row * K, K, KB)
         M, S = _merge_lanes(pm, ps)
         M_safe = tl.where(M == float("-inf"), 0.0, M)
         # from x, not from the piece's exps: only x is carried to the next step (one register array
         # fewer than keeping e; a second exp per element is cheap next to the memory traffic)
-        if MODE == 0:
-            y = tl.where(S > 0.0, tl.exp2((x - M_safe) * LOG2E - tl.log2(tl.where(S > 0.0, S, 1.0))), 0.0)
+        if PACK:
+            lo, hi = _unpack_pair(x, PACK)
+            if MODE == 0:
+                # one FMA and one exp per element, as in `_piece_max_sum`; an all -inf row (S = 0)
+                # gives exp2(-inf) = 0 without a select
+                off = M_safe * LOG2E + tl.log2(tl.where(S > 0.0, S, 1.0))
+                y = _pack_pair(tl.exp2(lo * LOG2E - off), tl.exp2(hi * LOG2E - off), PACK, ASM)
+            else:
+                y = _pack_pair(_normalised(lo, M_safe, S, MODE), _normalised(hi, M_safe, S, MODE), PACK, ASM)
         else:
-            y = x - tl.where(S > 0.0, M_safe + tl.log2(S) * LN2, 0.0)
+            y = _normalised(x.to(tl.float32), M_safe, S, MODE).to(y_ptr.dtype.element_ty)
         ys = _row_start(row, I, sy_o, sy_i)
-        tl.store(y_ptr + ys + _col_offsets(cols, sy_n, COL64), y.to(y_ptr.dtype.element_ty), mask=cmask)
+        tl.store(yp + ys + _col_offsets(cols, sy_n, COL64), y, mask=cmask)
         x = x1
 
 
@@ -767,48 +876,56 @@ def _split(R: int, N: int, device: torch.device) -> tuple[int, int, int]:
     return cdiv(N, piece), piece, chunk
 
 
-def _coop_plan(R: int, N: int, device: torch.device, which: str, itemsize: int = 4) -> tuple[int, int, int] | None:
-    """(pieces per row K, piece length, warps) for the cooperative `which` ("fwd"/"bwd") kernel on
-    elements of `itemsize` bytes, or None where it does not apply (CPU / the interpreter, knob off,
-    too few rows)."""
+def _coop_plan(R: int, N: int, device: torch.device, which: str, itemsize: int = 4,
+               tier: str = "") -> tuple[int, int, int, int | None] | None:
+    """(pieces per row K, piece length, warps, register cap or None) for the cooperative `which`
+    ("fwd"/"bwd") kernel on elements of `itemsize` bytes, from the knobs of `tier` ("" or "_long"), or
+    None where it does not apply (CPU / the interpreter, knob off, too few rows, no such tier)."""
     if device.type != "cuda" or not TUNING[f"coop_{which}"] or os.environ.get("TRITON_INTERPRET") == "1":
         return None
     # measured (lse_toolkit-nvidia-h200.json, variants): too few rows to keep every program busy spend
     # longer waiting on the row's other pieces than they save in memory traffic
-    if R < int(TUNING["coop_min_rows"]):
+    if R < int(TUNING["coop_min_rows"]) and not (which == "fwd" and R * N >= int(TUNING["coop_min_elems_fwd"])):
         return None
-    half = "_16" if itemsize <= 2 else ""
-    piece, warps = int(TUNING[f"coop_piece_{which}{half}"]), int(TUNING[f"coop_warps_{which}{half}"])
+    name = f"{which}{'_16' if itemsize <= 2 else ''}{tier}"
+    if f"coop_piece_{name}" not in TUNING:
+        return None
+    piece, warps = int(TUNING[f"coop_piece_{name}"]), int(TUNING[f"coop_warps_{name}"])
     # a row of more pieces than `coop_max_pieces` takes longer pieces (more warps, up to 8, then more
     # columns per thread): every program polls the words of all K pieces of its row
     grow = next_power_of_2(cdiv(cdiv(N, piece), int(TUNING["coop_max_pieces"])))
     piece, warps = piece * grow, max(warps, min(8, warps * grow))
     if piece > 64 * 32 * warps:  # more than 64 columns per thread would spill registers
         return None
-    return cdiv(N, piece), piece, warps
+    nreg = TUNING.get(f"coop_maxnreg_{name}")
+    return cdiv(N, piece), piece, warps, int(nreg) if nreg else None
 
 
 _RESIDENT: dict[tuple, int] = {}
 
 
 def _resident_programs(kernel, args: tuple, consts: dict, warps: int, device: torch.device) -> int:
-    """How many programs of the compiled `kernel` the whole GPU holds at once (registers, threads,
-    shared memory per SM), so that a cooperative grid never waits on a program that cannot start."""
+    """How many programs of the compiled `kernel` the whole GPU holds at once (the driver's count, else
+    its allocation rules: `occupancy.py`), so that a cooperative grid never waits on a program that
+    cannot start."""
     # the specialisation key of the integer arguments: == 1, divisible by 16, or neither
     spec = tuple((a == 1, a % 16 == 0) for a in args if isinstance(a, int))
     dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
     key = (kernel.fn.__name__, tuple(sorted(consts.items())), spec, dtypes, warps, device.index)
     if key not in _RESIDENT:
-        compiled = kernel.warmup(*args, grid=(1,), num_warps=warps, **consts)
-        compiled._init_handles()
-        props = torch.cuda.get_device_properties(device)
-        threads = 32 * warps
-        regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256  # allocated per warp in units of 256
-        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
-        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
-        smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-        by_smem = smem // (compiled.metadata.shared + 1024)  # + the 1 KiB the driver reserves per block
-        _RESIDENT[key] = max(0, min(by_regs, by_threads, by_smem, 32)) * props.multi_processor_count
+        with torch.cuda.device(device):
+            compiled = kernel.warmup(*args, grid=(1,), num_warps=warps, **consts)
+            compiled._init_handles()
+            shared = compiled.metadata.shared
+            per_sm = blocks_per_sm_by_driver(compiled.function, warps, shared)
+        if per_sm is None:
+            props = torch.cuda.get_device_properties(device)
+            per_sm = blocks_per_sm_by_rules(
+                compiled.n_regs, warps, shared, regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536),
+                threads_per_sm=getattr(props, "max_threads_per_multi_processor", 2048),
+                smem_per_sm=getattr(props, "shared_memory_per_multiprocessor", 228 * 1024),
+            )
+        _RESIDENT[key] = per_sm * _num_sms(device)
     return _RESIDENT[key]
 
 
@@ -825,30 +942,52 @@ def _coop_grid(kernel, args: tuple, consts: dict, warps: int, R: int, K: int, de
     return None
 
 
-def _coop_launch(kernel, which: str, tensors: tuple, R: int, N: int, I: int, strides: tuple, consts: dict) -> bool:
+def _coop_launch(kernel, which: str, tensors: tuple, R: int, N: int, I: int, strides: tuple, consts: dict,
+                 per: int = 1) -> bool:
     """Run a cooperative kernel (`which` = "fwd"/"bwd") over `tensors` with an int64 `[R, K]` word per
-    piece if it applies; False otherwise (the caller takes another path)."""
+    piece if it applies; False otherwise (the caller takes another path). `per` > 1: the kernel loads
+    items of `per` elements, and N and the strides count items.
+
+    The knobs' plan is taken unless it cuts rows into more than `coop_long_pieces` pieces or leaves
+    fewer than `coop_min_slots` rows in flight, and a "_long" plan (longer pieces, fewer registers per
+    thread) exists that does better: rows of a million float32 columns fit only one at a time in the
+    registers of 1024-column pieces, and most of the GPU then idles (H200, 64 x 1M: 0.75x copy
+    bandwidth, 0.92x with 4096-column pieces capped at 128 registers, two rows in flight); and every
+    program polls and merges the words of all K pieces of its row."""
     device = tensors[0].device
-    plan = _coop_plan(R, N, device, which, tensors[0].element_size())
-    if plan is None:
+    chosen = None
+    for tier in ("", "_long"):
+        plan = _coop_plan(R, N * per, device, which, tensors[0].element_size(), tier)
+        if plan is None:
+            continue
+        K, piece, warps, nreg = plan
+        c = dict(consts, PIECE=piece // per, KB=next_power_of_2(K))
+        if nreg:  # fewer registers per thread: more programs per SM, more bytes in flight
+            c["maxnreg"] = nreg
+        if TUNING["coop_launch"]:
+            c["launch_cooperative_grid"] = True
+        words = torch.empty((R, K), dtype=torch.int64, device=device)  # one per piece
+        args = (*tensors, words, R, N, I, *strides, K, 3)  # (3: a placeholder for SLOTS)
+        slots = _coop_grid(kernel, args, c, warps, R, K, device) or 0
+        cap_key = (kernel.fn.__name__, K, warps, tuple(sorted(c.items())), device.index)
+        slots = min(slots, _COOP_CAP.get(cap_key, slots))
+        if chosen is None or slots > chosen[0] or (slots and K < chosen[1]):
+            chosen = (slots, K, warps, c, args, cap_key)
+        if slots >= min(R, int(TUNING["coop_min_slots"])) and K <= int(TUNING["coop_long_pieces"]):
+            break
+    if chosen is None:
         return False
-    K, piece, warps = plan
-    consts = dict(consts, PIECE=piece, KB=next_power_of_2(K))
-    if TUNING["coop_launch"]:
-        consts["launch_cooperative_grid"] = True
-    words = torch.full((R, K), -1, dtype=torch.int64, device=device)  # one per piece; -1: not yet published
-    args = (*tensors, words, R, N, I, *strides, K, 3)  # (3: a placeholder for SLOTS)
-    slots = _coop_grid(kernel, args, consts, warps, R, K, device)
-    cap_key = (kernel.fn.__name__, K, warps, tuple(sorted(consts.items())), device.index)
-    slots = min(slots or 0, _COOP_CAP.get(cap_key, slots or 0))
+    slots, K, warps, consts, args, cap_key = chosen
+    args[len(tensors)].fill_(-1)  # -1: not yet published
     while slots >= 1:
         try:
             kernel[(slots * K,)](*args[:-1], slots, num_warps=warps, **consts)
             return True
         except RuntimeError as e:
-            # the driver places fewer programs at once than `_resident_programs` counted (not seen on
-            # H100/H200): fewer rows in flight, remembered for the next call (a refused launch is not
-            # a sticky CUDA error)
+            # the driver places fewer programs at once than `_resident_programs` counted (seen on
+            # H200 while that count ignored the per-sub-partition register files: `occupancy.py`):
+            # fewer rows in flight, remembered for the next call (a refused launch is not a sticky
+            # CUDA error)
             if "cooperative launch" not in str(e):
                 raise
             slots //= 2
@@ -858,6 +997,19 @@ def _coop_launch(kernel, which: str, tensors: tuple, R: int, N: int, I: int, str
 
 # rows in flight that the driver accepted after refusing more, per kernel specialisation
 _COOP_CAP: dict[tuple, int] = {}
+
+
+def _pair_pack(xm: torch.Tensor, ym: torch.Tensor, N: int, row_strides: tuple, col_strides: tuple) -> int:
+    """PACK for the cooperative forward: 1 (bf16) or 2 (fp16) where x and y can be read and written as
+    int32 words of two elements (contiguous rows of even length, even row strides, 4-byte aligned),
+    else 0."""
+    if not TUNING["coop_pack"] or xm.dtype not in (torch.bfloat16, torch.float16) or N % 2:
+        return 0
+    if any(s != 1 for s in col_strides) or any(s % 2 for s in row_strides):
+        return 0
+    if xm.data_ptr() % 4 or ym.data_ptr() % 4:
+        return 0
+    return 1 if xm.dtype == torch.bfloat16 else 2
 
 
 def _lookback_launch(kernel, which: str, tensors: tuple, n_partials: int, R: int, N: int, I: int,
@@ -906,14 +1058,19 @@ def softmax_forward(
         return _finish(ym, dim, target)
     mode = _LOG_SOFTMAX if log else _SOFTMAX
     col64 = _col64(N, sx_n, sy_n)
-    if N <= int(TUNING["max_row_block"]):
+    if N <= int(TUNING["max_row_block_16" if x.element_size() <= 2 else "max_row_block"]):
         block_r, block_n = _short_tile(R, N)
         launch(
             _fwd_rows_kernel, (cdiv(R, block_r),), xm, ym, xm, R, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n,
             MODE=mode, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
         )
+    elif (pack := _pair_pack(xm, ym, N, (sx_o, sx_i, sy_o, sy_i), (sx_n, sy_n))) and _coop_launch(
+        _fwd_coop_kernel, "fwd", (xm, ym), R, N // 2, I, (sx_o // 2, sx_i // 2, 1, sy_o // 2, sy_i // 2, 1),
+        dict(MODE=mode, COL64=col64, PACK=pack, ASM=os.environ.get("TRITON_INTERPRET") != "1"), per=2,
+    ):
+        pass
     elif _coop_launch(_fwd_coop_kernel, "fwd", (xm, ym), R, N, I, (sx_o, sx_i, sx_n, sy_o, sy_i, sy_n),
-                      dict(MODE=mode, COL64=col64)):
+                      dict(MODE=mode, COL64=col64, PACK=0, ASM=False)):
         pass
     elif _lookback_launch(_fwd_lookback_kernel, "fwd", (xm, ym), 2, R, N, I, (sx_o, sx_i, sx_n, sy_o, sy_i, sy_n),
                           dict(MODE=mode, COL64=col64)):

@@ -243,11 +243,11 @@ KERNEL_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.floa
 # of 64 bytes = one or two rows)
 REGIMES = {
     "rows": {},
-    "fused": {"max_row_block": 16, "max_row_block_bwd": 16, "chunk": 32, "split_rows": 1, "lookback_fwd": 0,
+    "fused": {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "chunk": 32, "split_rows": 1, "lookback_fwd": 0,
               "lookback_bwd": 0},
-    "split": {"max_row_block": 16, "max_row_block_bwd": 16, "chunk": 32, "split_rows": 1 << 30, "lookback_fwd": 0,
+    "split": {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "chunk": 32, "split_rows": 1 << 30, "lookback_fwd": 0,
               "lookback_bwd": 0},
-    "lookback": {"max_row_block": 16, "max_row_block_bwd": 16, "chunk": 32, "lookback_fwd": 1, "lookback_bwd": 1,
+    "lookback": {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "chunk": 32, "lookback_fwd": 1, "lookback_bwd": 1,
                  "lb_block": 8, "lb_piece": 16, "lb_group_bytes": 64},
 }
 
@@ -353,9 +353,10 @@ def test_kernel_cooperative_one_piece_per_row(kernels, monkeypatch, mode):
     """The cooperative kernels under the interpreter: with one piece per row a program waits only on
     itself (more pieces would wait on programs the interpreter has not run yet; the GPU tests cover
     those). Rows are spread over 3 programs, strided columns included."""
-    monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize: (1, 1 << (N - 1).bit_length(), 4))
+    monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize, tier="": None if tier else (1, 1 << (N - 1).bit_length(), 4, None))
     monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: min(R, 3))
     monkeypatch.setitem(kernels.TUNING, "max_row_block", 16)
+    monkeypatch.setitem(kernels.TUNING, "max_row_block_16", 16)
     monkeypatch.setitem(kernels.TUNING, "max_row_block_bwd", 16)
     x = make_x((7, 45, 3), 1, torch.float32, scale=3.0, seed=17)
     judge_against("fwd", kernel_forward(kernels, mode, x, 1), x, 1, mode, torch.float32)
@@ -363,10 +364,43 @@ def test_kernel_cooperative_one_piece_per_row(kernels, monkeypatch, mode):
     judge_against("dx", kernel_backward(kernels, mode, x, g, 1), x, 1, mode, torch.float32, g=g)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "shape, dim, packed",
+    [
+        pytest.param((9, 46), -1, True, id="9x46"),
+        pytest.param((3, 4, 98), -1, True, id="3x4x98"),
+        pytest.param((9, 45), -1, False, id="odd-9x45"),  # an odd row length cannot be read as pairs
+        pytest.param((46, 9), 0, False, id="strided"),  # columns not contiguous: element by element
+    ],
+)
+@pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
+def test_kernel_cooperative_pairs(kernels, monkeypatch, mode, dtype, shape, dim, packed):
+    """The cooperative forward on 2-byte rows read as int32 words of two elements (PACK), under the
+    interpreter with one piece per row: -inf entries, all -inf rows, values x100, and the layouts that
+    must not be packed."""
+    launched = []
+    real_launch = kernels._coop_launch
+
+    def spy(kernel, which, tensors, R, N, I, strides, consts, per=1):
+        launched.append(consts.get("PACK"))
+        return real_launch(kernel, which, tensors, R, N, I, strides, consts, per)
+
+    monkeypatch.setattr(kernels, "_coop_launch", spy)
+    monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize, tier="": None if tier else (1, 1 << (N - 1).bit_length(), 4, None))
+    monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: min(R, 3))
+    monkeypatch.setitem(kernels.TUNING, "max_row_block", 16)
+    monkeypatch.setitem(kernels.TUNING, "max_row_block_16", 16)
+    for scale in (3.0, 100.0):
+        x = make_x(shape, dim, dtype, scale=scale, seed=23)
+        judge_against("fwd", kernel_forward(kernels, mode, x, dim), x, dim, mode, dtype)
+    assert launched[0] == ({torch.bfloat16: 1, torch.float16: 2}[dtype] if packed else 0)
+
+
 def test_cooperative_launch_refused_takes_fewer_rows_in_flight(kernels, monkeypatch):
     """If the driver refuses a cooperative grid as too large, the launcher halves the rows in flight
     (remembering it) and, at zero, lets the caller take another path; other errors propagate."""
-    monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize: (2, 4, 1))
+    monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize, tier="": None if tier else (2, 4, 1, None))
     monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: 8)
     monkeypatch.setattr(kernels, "_COOP_CAP", {})
     grids = []
@@ -395,6 +429,28 @@ def test_cooperative_launch_refused_takes_fewer_rows_in_flight(kernels, monkeypa
     assert not kernels._coop_launch(FakeKernel(0), "fwd", (x, y), 16, 8, 1, strides, {"MODE": 0})
     with pytest.raises(RuntimeError, match="out of memory"):
         kernels._coop_launch(FakeKernel(0, "CUDA out of memory"), "fwd", (x, y), 16, 8, 1, strides, {"MODE": 1})
+
+
+@pytest.mark.parametrize(
+    "n_regs, warps, shared, blocks",
+    [
+        pytest.param(246, 1, 0, 8, id="246r-1w"),  # 7936 registers per warp: 2 per sub-partition
+        pytest.param(223, 1, 0, 8, id="223r-1w"),  # 9 by the SM's pool, 8 by its sub-partitions
+        pytest.param(196, 1, 0, 8, id="196r-1w"),
+        pytest.param(168, 1, 0, 12, id="168r-1w"),
+        pytest.param(80, 2, 8, 12, id="80r-2w"),
+        pytest.param(72, 2, 8, 14, id="72r-2w"),
+        pytest.param(128, 4, 8, 4, id="128r-4w"),
+        pytest.param(32, 1, 0, 32, id="32r-1w"),  # the 32-blocks limit
+        pytest.param(32, 4, 100_000, 2, id="shared-bound"),
+    ],
+)
+def test_blocks_per_sm_by_rules(n_regs, warps, shared, blocks):
+    """The occupancy rules on known H100/H200 cases (registers allocated per warp in units of 256 from
+    one of four sub-partitions of 16K registers; 1 KiB of shared memory reserved per block)."""
+    from ringlse.kernels.occupancy import blocks_per_sm_by_rules
+
+    assert blocks_per_sm_by_rules(n_regs, warps, shared) == blocks
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -641,7 +697,9 @@ def test_gpu_other_dim_no_copy(mode):
 
 COOP_CASES = [  # rows, cols, dim, dtype: pieces of a row in registers, merged across programs
     pytest.param(3, 100003, -1, torch.float32, id="3x100003-fp32"),
-    pytest.param(257, 40000, -1, torch.bfloat16, id="257x40000-bf16"),
+    pytest.param(257, 40000, -1, torch.bfloat16, id="257x40000-bf16"),  # read as pairs (PACK)
+    pytest.param(129, 40000, -1, torch.float16, id="129x40000-fp16"),
+    pytest.param(65, 40001, -1, torch.bfloat16, id="65x40001-bf16"),  # odd: element by element
     pytest.param(5, 40001, 0, torch.float32, id="5x40001-dim0-fp32"),  # strided columns
 ]
 
@@ -653,7 +711,7 @@ COOP_CASES = [  # rows, cols, dim, dtype: pieces of a row in registers, merged a
 def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, piece, warps):
     from ringlse.kernels import softmax as ks
 
-    knobs = {"max_row_block": 16, "max_row_block_bwd": 16, "coop_max_pieces": 1 << 20, "coop_min_rows": 1,
+    knobs = {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "coop_max_pieces": 1 << 20, "coop_min_rows": 1,
              "lookback_fwd": 0}
     for which in ("fwd", "bwd"):
         knobs.update({f"coop_{which}": 1, f"coop_piece_{which}": piece, f"coop_warps_{which}": warps,
@@ -662,7 +720,7 @@ def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, pi
         monkeypatch.setitem(ks.TUNING, key, value)
     ran = []
     launch = ks._coop_launch
-    monkeypatch.setattr(ks, "_coop_launch", lambda *args: ran.append(launch(*args)) or ran[-1])
+    monkeypatch.setattr(ks, "_coop_launch", lambda *a, **k: ran.append(launch(*a, **k)) or ran[-1])
     shape = (rows, cols) if dim == -1 else (cols, rows)
     x = make_x(shape, dim, dtype, scale=3.0, seed=16, device="cuda")  # with all -inf rows
     y = ks.softmax_forward(x, dim, log=mode == "log_softmax")
@@ -677,21 +735,73 @@ def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, pi
 
 
 @pytest.mark.gpu
+def test_gpu_occupancy_rules_match_driver():
+    """The occupancy rules give the driver's count for the cooperative kernels as compiled (several
+    warps and register caps), so the fallback, where the driver cannot be asked, sizes grids the same."""
+    from ringlse.kernels import softmax as ks
+    from ringlse.kernels.occupancy import blocks_per_sm_by_driver, blocks_per_sm_by_rules
+
+    x = torch.zeros(64, 8192, device="cuda", dtype=torch.bfloat16)
+    words = torch.full((64, 4), -1, dtype=torch.int64, device="cuda")
+    props = torch.cuda.get_device_properties(0)
+    seen = set()
+    for piece, warps, nreg, pack in [(2048, 1, None, 1), (2048, 1, 168, 1), (1024, 2, None, 0), (4096, 4, 128, 0),
+                                     (8192, 8, None, 0), (2048, 2, 96, 2)]:
+        consts = dict(MODE=0, PIECE=piece // (2 if pack else 1), KB=4, COL64=False, PACK=pack, ASM=True)
+        if nreg:
+            consts["maxnreg"] = nreg
+        args = (x, x, words, 64, 4096 if pack else 8192, 1, 8192, 0, 1, 8192, 0, 1, 4, 3)
+        compiled = ks._fwd_coop_kernel.warmup(*args, grid=(1,), num_warps=warps, **consts)
+        compiled._init_handles()
+        driver = blocks_per_sm_by_driver(compiled.function, warps, compiled.metadata.shared)
+        assert driver is not None
+        rules = blocks_per_sm_by_rules(compiled.n_regs, warps, compiled.metadata.shared,
+                                       regs_per_sm=props.regs_per_multiprocessor,
+                                       threads_per_sm=props.max_threads_per_multi_processor,
+                                       smem_per_sm=props.shared_memory_per_multiprocessor)
+        assert rules == driver, (piece, warps, nreg, compiled.n_regs)
+        seen.add(compiled.n_regs)
+    assert len(seen) >= 4  # distinct register counts were compared
+
+
+@pytest.mark.gpu
+def test_gpu_cooperative_long_tier_for_rows_that_fit_once(monkeypatch):
+    """Rows of a million float32 columns: the default pieces fit one row in flight, so the launcher
+    takes the "_long" plan (4096-column pieces capped at 128 registers: two rows in flight)."""
+    from ringlse.kernels import softmax as ks
+
+    monkeypatch.setitem(ks.TUNING, "coop_min_rows", 1)
+    chosen = []
+    real = ks._coop_grid
+
+    def spy(kernel, args, consts, warps, R, K, device):
+        slots = real(kernel, args, consts, warps, R, K, device)
+        chosen.append((consts["PIECE"], slots))
+        return slots
+
+    monkeypatch.setattr(ks, "_coop_grid", spy)
+    x = make_x((8, 1 << 20), -1, torch.float32, scale=3.0, seed=19, device="cuda")
+    y = ks.softmax_forward(x, -1)
+    assert chosen[0][1] < 2 and chosen[-1][0] == 4096 and chosen[-1][1] >= 2, chosen
+    judge_against("fwd", y, x, -1, "softmax", torch.float32)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gpu_cooperative_longer_pieces_for_long_rows(monkeypatch, dtype):
     """A row of more than `coop_max_pieces` pieces takes longer pieces (here 1024 columns x 40 pieces
     -> 8192 x 5 on 8 warps), through the default launch path."""
     from ringlse.kernels import softmax as ks
 
-    knobs = {"max_row_block": 16, "max_row_block_bwd": 16, "coop_max_pieces": 8, "coop_min_rows": 1}
+    knobs = {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "coop_max_pieces": 8, "coop_min_rows": 1}
     for which, half in (("fwd", ""), ("fwd", "_16"), ("bwd", ""), ("bwd", "_16")):
         knobs.update({f"coop_piece_{which}{half}": 1024, f"coop_warps_{which}{half}": 2})
     for key, value in knobs.items():
         monkeypatch.setitem(ks.TUNING, key, value)
-    assert ks._coop_plan(70, 40001, torch.device("cuda"), "fwd", 4) == (5, 8192, 8)
+    assert ks._coop_plan(70, 40001, torch.device("cuda"), "fwd", 4)[:3] == (5, 8192, 8)
     ran = []
     launch = ks._coop_launch
-    monkeypatch.setattr(ks, "_coop_launch", lambda *args: ran.append(launch(*args)) or ran[-1])
+    monkeypatch.setattr(ks, "_coop_launch", lambda *a, **k: ran.append(launch(*a, **k)) or ran[-1])
     x = make_x((70, 40001), -1, dtype, scale=3.0, seed=18, device="cuda")
     for mode in ("softmax", "log_softmax"):
         y = ks.softmax_forward(x, -1, log=mode == "log_softmax")
@@ -742,13 +852,13 @@ def test_gpu_lookback_long_rows(monkeypatch, rows, cols, dim, dtype, knobs, mode
     the row counters they reuse must be left at zero by each call."""
     from ringlse.kernels import softmax as ks
 
-    base = {"max_row_block": 16, "max_row_block_bwd": 16, "coop_fwd": 0, "coop_bwd": 0, "lookback_fwd": 1,
+    base = {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "coop_fwd": 0, "coop_bwd": 0, "lookback_fwd": 1,
             "lookback_bwd": 1}
     for key, value in {**base, **knobs}.items():
         monkeypatch.setitem(ks.TUNING, key, value)
     ran = []
     launch = ks._lookback_launch
-    monkeypatch.setattr(ks, "_lookback_launch", lambda *args: ran.append(launch(*args)) or ran[-1])
+    monkeypatch.setattr(ks, "_lookback_launch", lambda *a, **k: ran.append(launch(*a, **k)) or ran[-1])
     shape = (rows, cols) if dim == -1 else (cols, rows)
     x = make_x(shape, dim, dtype, scale=3.0, seed=18, device="cuda")  # with all -inf rows
     g = torch.randn(x.shape, device="cuda", dtype=F64).to(dtype)
