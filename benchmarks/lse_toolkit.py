@@ -70,7 +70,8 @@ BARS = {
 TOTAL = 1 << 26  # elements per softmax case
 COLS = [1024, 4096, 16384, 32768, 65536, 131072, 1 << 20]
 EXTRA = [(4, 1 << 20, torch.float32), (8, 131072, torch.float32), (16384, 4096, torch.bfloat16),
-         (512, 131072, torch.bfloat16), (1 << 20, 97, torch.float32)]
+         (512, 131072, torch.bfloat16), (1 << 20, 97, torch.float32), (2048, 32768, torch.bfloat16),
+         (32, 1 << 21, torch.float32)]
 LOG_BMM = [(8, 1024, 1024, 1024), (8, 512, 512, 512), (4, 256, 256, 256), (2, 97, 1000, 130)]
 
 
@@ -194,18 +195,19 @@ def family_case(rows: int, cols: int, dtype: torch.dtype, copy: float) -> list[d
     return records
 
 
-def _time_knobs(knobs: dict, cases: list[tuple[int, int]], what: str) -> dict:
+def _time_knobs(knobs: dict, cases: list[tuple[int, int]], what: str, dtype: torch.dtype = torch.float32) -> dict:
     """GPU ms (`graph_ms`) of `what` (fwd: softmax forward; bwd: softmax backward; both: their sum;
-    lse: logsumexp forward) per fp32 case under `knobs`, restoring the tuning afterwards. GPU time,
+    lse: logsumexp forward) per `dtype` case under `knobs`, restoring the tuning afterwards. GPU time,
     not eager time: a small case's eager time can be its host time, and one slow host call once
     picked the wrong chunk size for every few-row launch (4x1M: 19 -> 49 us in one sweep)."""
     saved = dict(ks.TUNING)
     ks.TUNING.update(knobs)
-    rec = {"knobs": knobs, "what": what, "ms": {}, "timing": "graph_ms"}
+    rec = {"knobs": knobs, "what": what, "dtype": str(dtype), "ms": {}, "timing": "graph_ms"}
     try:
         for rows, cols in cases:
             # enough input copies to outgrow L2 (100 MB) when one input fits in it, as in family_case
-            xs = [torch.randn(rows, cols, device="cuda") * 3 for _ in range(min(16, -(-100_000_000 // (rows * cols * 4))))]
+            n_copies = min(16, -(-100_000_000 // (rows * cols * dtype.itemsize)))
+            xs = [torch.randn(rows, cols, device="cuda", dtype=dtype) * 3 for _ in range(n_copies)]
             fwd = [lambda x=x: ks.softmax_forward(x) for x in xs]
             if what == "lse":
                 ms = graph_ms([lambda x=x: ks.logsumexp_forward(x) for x in xs])
@@ -237,8 +239,8 @@ def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
     # the base paths first; the cooperative and look-back forms are then compared with their winners
     ks.TUNING.update(coop_fwd=0, coop_bwd=0, lookback_fwd=0, lookback_bwd=0)
 
-    def pick(group, variants, cases, what):
-        recs = [_time_knobs(k, cases, what) for k in variants]
+    def pick(group, variants, cases, what, dtype=torch.float32):
+        recs = [_time_knobs(k, cases, what, dtype) for k in variants]
         log.extend(dict(r, group=group) for r in recs)
         best = min(recs, key=lambda r: r["total_ms"])
         chosen.update(best["knobs"])
@@ -259,6 +261,16 @@ def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
                  [{f"coop_{which}": 0}] + [{f"coop_{which}": 1, f"coop_piece_{which}": p, f"coop_warps_{which}": w}
                                           for p, w in ((1024, 2), (2048, 4), (4096, 4), (4096, 8))],
                  coop_cases, which)
+        # the plan for rows that fit once in flight with the pieces above (`_coop_launch`)
+        pick("cooperative, rows of 1M (fwd)",
+             [{"coop_piece_fwd_long": p, "coop_warps_fwd_long": w, "coop_maxnreg_fwd_long": r}
+              for p, w, r in ((4096, 4, 128), (8192, 8, 128), (4096, 4, None))],
+             coop_cases[2:], "fwd")
+        # 2-byte rows, read as pairs: the register cap sets how many programs an SM holds
+        pick("cooperative long rows (fwd, bf16)",
+             [{"coop_piece_fwd_16": p, "coop_warps_fwd_16": w, "coop_maxnreg_fwd_16": r}
+              for p, w, r in ((2048, 1, 168), (2048, 1, None), (1024, 1, 96), (4096, 2, 168))],
+             coop_cases[:2], "fwd", torch.bfloat16)
     long_fwd = coop_cases + [(4, 1 << 20), (8, 131072)]
     pick("look-back long rows (fwd)",
          [{"lookback_fwd": 0}] + [{"lookback_fwd": 1, "lb_piece": p, "lb_block": b, "lb_warps": w, "lb_group_bytes": g}
