@@ -962,7 +962,9 @@ def _coop_launch(kernel, which: str, tensors: tuple, R: int, N: int, I: int, str
             continue
         K, piece, warps, nreg = plan
         c = dict(consts, PIECE=piece // per, KB=next_power_of_2(K))
-        if nreg:  # fewer registers per thread: more programs per SM, more bytes in flight
+        # fewer registers per thread: more programs per SM, more bytes in flight. The 2-byte caps were
+        # measured on rows read as pairs; element by element (odd lengths) the compiler needs more
+        if nreg and (per > 1 or tensors[0].element_size() > 2):
             c["maxnreg"] = nreg
         if TUNING["coop_launch"]:
             c["launch_cooperative_grid"] = True
