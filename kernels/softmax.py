@@ -610,11 +610,20 @@ def _normalised(x, M_safe, S, MODE: tl.constexpr):
 
 
 @triton.jit
+def _reset_words(c_ptr, n_clear):
+    """Set words [0, n_clear) of `c_ptr` to -1 (unpublished), shared out over the grid's programs: the
+    words the previous cooperative launch on this stream left published (`_coop_words`)."""
+    offs = tl.arange(0, 64)
+    for start in range(tl.program_id(0) * 64, n_clear, tl.num_programs(0) * 64):
+        tl.store(c_ptr + start + offs, tl.full([64], -1, tl.int64), mask=start + offs < n_clear)
+
+
+@triton.jit
 def _fwd_coop_kernel(
-    x_ptr, y_ptr, w_ptr, R, N, I,
+    x_ptr, y_ptr, w_ptr, c_ptr, n_clear, R, N, I,
     sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, K, SLOTS,
     MODE: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, COL64: tl.constexpr, PACK: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Programs `slot * K + k` hold piece k of rows slot, slot + SLOTS, ...: one read, one write.
 
@@ -628,12 +637,18 @@ def _fwd_coop_kernel(
     and the strides count words. The three row pieces a program carries (this row, the next, the one
     in flight) then take one register per two elements; loaded as 16-bit elements, each took a whole
     register, and the register file, not memory, bounded the bytes in flight. ASM: packed conversions
-    (`_pack_pair`), compiled only."""
+    (`_pack_pair`), compiled only. EVEN: N is a multiple of PIECE (no column mask).
+
+    `w_ptr`: the launch's `[R, K]` words, all -1 at the start; `c_ptr`: the previous launch's, of which
+    it resets the first `n_clear` (`_coop_words`)."""
     pid = tl.program_id(0)
     slot = pid // K
     k = pid - slot * K
     cols = k * PIECE + tl.arange(0, PIECE)
-    cmask = cols < N
+    if EVEN:  # N % PIECE == 0: no column mask (a mask per element held registers the pieces need)
+        cmask = tl.full([PIECE], 1, tl.int1)
+    else:
+        cmask = cols < N
     if PACK:
         xp = x_ptr.to(tl.pointer_type(tl.int32))
         yp = y_ptr.to(tl.pointer_type(tl.int32))
@@ -647,6 +662,7 @@ def _fwd_coop_kernel(
     x = tl.load(xp + _row_start(slot, I, sx_o, sx_i) + x_cols, mask=cmask, other=pad)
     nxt = slot + SLOTS
     x_next = tl.load(xp + _row_start(nxt, I, sx_o, sx_i) + x_cols, mask=cmask & (nxt < R), other=pad)
+    _reset_words(c_ptr, n_clear)  # (while the first loads are in flight)
     m, s = _piece_max_sum(x, PACK)
     _publish_word(w_ptr + slot * K + k, _pack_word(m, s))
     for row in range(slot, R, SLOTS):
@@ -680,19 +696,23 @@ def _fwd_coop_kernel(
 
 @triton.jit
 def _bwd_coop_kernel(
-    y_ptr, g_ptr, dx_ptr, w_ptr, R, N, I,
+    y_ptr, g_ptr, dx_ptr, w_ptr, c_ptr, n_clear, R, N, I,
     sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n, K, SLOTS,
-    LOG: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, COL64: tl.constexpr,
+    LOG: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, COL64: tl.constexpr, EVEN: tl.constexpr,
 ):
     """The backward in the same cooperative form: pieces of y and g stay in registers while the row
     sum (sum(g * y), or sum(g) for log_softmax) is merged from the pieces' words (`_publish_word`).
     Not pipelined: its two inputs per piece already keep enough bytes in flight (measured on H200:
-    0.93-0.96x copy for fp32 rows of 64K-131K columns)."""
+    0.93-0.96x copy for fp32 rows of 64K-131K columns). Words and EVEN as in `_fwd_coop_kernel`."""
     pid = tl.program_id(0)
     slot = pid // K
     k = pid - slot * K
     cols = k * PIECE + tl.arange(0, PIECE)
-    cmask = cols < N
+    if EVEN:
+        cmask = tl.full([PIECE], 1, tl.int1)
+    else:
+        cmask = cols < N
+    _reset_words(c_ptr, n_clear)
     y_other = float("-inf") if LOG else 0.0
     for row in range(slot, R, SLOTS):
         ystart = _row_start(row, I, sy_o, sy_i)
@@ -943,11 +963,10 @@ def _coop_grid(kernel, args: tuple, consts: dict, warps: int, R: int, K: int, de
     return None
 
 
-def _coop_launch(kernel, which: str, tensors: tuple, R: int, N: int, I: int, strides: tuple, consts: dict,
-                 per: int = 1) -> bool:
-    """Run a cooperative kernel (`which` = "fwd"/"bwd") over `tensors` with an int64 `[R, K]` word per
-    piece if it applies; False otherwise (the caller takes another path). `per` > 1: the kernel loads
-    items of `per` elements, and N and the strides count items.
+def _coop_choose(kernel, which: str, tensors: tuple, R: int, N: int, I: int, strides: tuple, consts: dict,
+                 per: int) -> tuple | None:
+    """(rows in flight, K, warps, launch options, `_COOP_CAP` key) of the plan `_coop_launch` takes, or
+    None where no plan applies.
 
     The knobs' plan is taken unless it cuts rows into more than `coop_long_pieces` pieces or leaves
     fewer than `coop_min_slots` rows in flight, and a "_long" plan (longer pieces, fewer registers per
@@ -962,40 +981,108 @@ def _coop_launch(kernel, which: str, tensors: tuple, R: int, N: int, I: int, str
         if plan is None:
             continue
         K, piece, warps, nreg = plan
-        c = dict(consts, PIECE=piece // per, KB=next_power_of_2(K))
+        c = dict(consts, PIECE=piece // per, KB=next_power_of_2(K), EVEN=N % (piece // per) == 0)
         # fewer registers per thread: more programs per SM, more bytes in flight. The 2-byte caps were
         # measured on rows read as pairs; element by element (odd lengths) the compiler needs more
         if nreg and (per > 1 or tensors[0].element_size() > 2):
             c["maxnreg"] = nreg
         if TUNING["coop_launch"]:
             c["launch_cooperative_grid"] = True
-        words = torch.empty((R, K), dtype=torch.int64, device=device)  # one per piece
-        args = (*tensors, words, R, N, I, *strides, K, 3)  # (3: a placeholder for SLOTS)
+        words = torch.empty((R, K), dtype=torch.int64, device=device)  # (only read for its dtype here)
+        args = (*tensors, words, words, 3, R, N, I, *strides, K, 3)  # (3: placeholders for n_clear, SLOTS)
         slots = _coop_grid(kernel, args, c, warps, R, K, device) or 0
         cap_key = (kernel.fn.__name__, K, warps, tuple(sorted(c.items())), device.index)
         slots = min(slots, _COOP_CAP.get(cap_key, slots))
         if chosen is None or slots > chosen[0] or (slots and K < chosen[1]):
-            chosen = (slots, K, warps, c, args, cap_key)
+            chosen = (slots, K, warps, c, cap_key)
         if slots >= min(R, int(TUNING["coop_min_slots"])) and K <= int(TUNING["coop_long_pieces"]):
             break
-    if chosen is None:
+    return chosen
+
+
+# call shape -> `_coop_choose`'s plan: the plan is the same for every call of a shape while the knobs
+# stay, and choosing it (two tiers, their occupancy lookups) cost more host time than the kernel's
+# launch (H200, 512 x 131072 bf16: ~130 us per call, longer than the L2 flush `do_bench` runs first)
+_PLANS: dict[tuple, tuple | None] = {}
+
+
+def _coop_launch(kernel, which: str, tensors: tuple, R: int, N: int, I: int, strides: tuple, consts: dict,
+                 per: int = 1) -> bool:
+    """Run a cooperative kernel (`which` = "fwd"/"bwd") over `tensors` with an int64 `[R, K]` word per
+    piece if a plan applies (`_coop_choose`); False otherwise (the caller takes another path). `per` > 1:
+    the kernel loads items of `per` elements, and N and the strides count items."""
+    device = tensors[0].device
+    key = (kernel.fn.__name__, which, R, N, I, strides, per, tuple(consts.items()),
+           tuple(t.dtype for t in tensors), device, tuple(TUNING.values()))
+    plan = _PLANS.get(key, _MISSING)
+    if plan is _MISSING:
+        plan = _coop_choose(kernel, which, tensors, R, N, I, strides, consts, per)
+        if len(_PLANS) >= 1024:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    if plan is None:
         return False
-    slots, K, warps, consts, args, cap_key = chosen
-    args[len(tensors)].fill_(-1)  # -1: not yet published
+    slots, K, warps, c, cap_key = plan
+    slots = min(slots, _COOP_CAP.get(cap_key, slots))
+    words, other, n_other, pool = _coop_words(device, R * K)
     while slots >= 1:
         try:
-            kernel[(slots * K,)](*args[:-1], slots, num_warps=warps, **consts)
-            return True
+            launch(kernel, (slots * K,), *tensors, words, other, n_other, R, N, I, *strides, K, slots,
+                   num_warps=warps, **c)
         except RuntimeError as e:
             # the driver places fewer programs at once than `_resident_programs` counted (seen on
             # H200 while that count ignored the per-sub-partition register files: `occupancy.py`):
             # fewer rows in flight, remembered for the next call (a refused launch is not a sticky
-            # CUDA error)
+            # CUDA error, and it ran nothing: the words are as they were)
             if "cooperative launch" not in str(e):
                 raise
             slots //= 2
             _COOP_CAP[cap_key] = slots
+            continue
+        if pool is not None:
+            pool.launched(R * K)
+        return True
     return False
+
+
+_MISSING = object()
+
+
+class _WordPool:
+    """Two int64 word buffers of one stream, used by turns. A cooperative launch takes the buffer
+    whose words are all -1 and resets the words that the launch before it (on the other buffer) left
+    published; so no launch needs a fill of its own (a kernel, and on H200 ~2.5 us of GPU time between
+    the L2 flush and the kernel in a `do_bench` call). Kernels on one stream run in order: a launch
+    never touches a buffer a kernel in flight uses."""
+
+    def __init__(self, device: torch.device, n: int):
+        self.bufs = torch.full((2, n), -1, dtype=torch.int64, device=device).unbind(0)
+        self.dirty = [0, 0]  # words left published in each buffer
+        self.turn = 0
+
+    def launched(self, n: int) -> None:
+        self.dirty[self.turn], self.dirty[1 - self.turn] = n, 0
+        self.turn = 1 - self.turn
+
+
+_WORDS: dict[tuple[int, int], _WordPool] = {}
+
+
+def _coop_words(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor, int, _WordPool | None]:
+    """(words, other, n_other, pool) for a cooperative launch of `n` words: `words` all -1, `other`
+    with its first `n_other` words for the launch to reset, and the pool to tell once launched (None:
+    nothing to tell). Under graph capture, or on CPU (the interpreter), the words are fresh: a graph
+    replays its launches with the buffers of its capture, so turns taken at capture would repeat."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        words = torch.full((n,), -1, dtype=torch.int64, device=device)
+        return words, words, 0, None
+    key = (device.index, _raw_stream(device.index))
+    pool = _WORDS.get(key)
+    if pool is None or pool.bufs[0].numel() < n:
+        # (the buffers it replaces are freed to the caching allocator, which hands them out again on
+        # this stream only after the kernels queued before on it)
+        pool = _WORDS[key] = _WordPool(device, max(cdiv(n, 64) * 64, 4096))  # (16-byte aligned halves)
+    return pool.bufs[pool.turn], pool.bufs[1 - pool.turn], pool.dirty[1 - pool.turn], pool
 
 
 # rows in flight that the driver accepted after refusing more, per kernel specialisation

@@ -259,6 +259,17 @@ def kernels():
     return ks
 
 
+@pytest.fixture(autouse=True)
+def fresh_coop_plans():
+    """Cooperative plans are cached per call shape; tests replace the planners (`_coop_plan`,
+    `_coop_grid`), so each test starts and ends with no cached plan."""
+    from ringlse.kernels import softmax as ks
+
+    ks._PLANS.clear()
+    yield
+    ks._PLANS.clear()
+
+
 def set_regime(monkeypatch, ks, regime):
     for key, value in REGIMES[regime].items():
         monkeypatch.setitem(ks.TUNING, key, value)
@@ -358,10 +369,11 @@ def test_kernel_cooperative_one_piece_per_row(kernels, monkeypatch, mode):
     monkeypatch.setitem(kernels.TUNING, "max_row_block", 16)
     monkeypatch.setitem(kernels.TUNING, "max_row_block_16", 16)
     monkeypatch.setitem(kernels.TUNING, "max_row_block_bwd", 16)
-    x = make_x((7, 45, 3), 1, torch.float32, scale=3.0, seed=17)
-    judge_against("fwd", kernel_forward(kernels, mode, x, 1), x, 1, mode, torch.float32)
-    g = torch.randn(x.shape)
-    judge_against("dx", kernel_backward(kernels, mode, x, g, 1), x, 1, mode, torch.float32, g=g)
+    for shape in ((7, 45, 3), (7, 32, 3)):  # 32: the row fills its piece, no column mask (EVEN)
+        x = make_x(shape, 1, torch.float32, scale=3.0, seed=17)
+        judge_against("fwd", kernel_forward(kernels, mode, x, 1), x, 1, mode, torch.float32)
+        g = torch.randn(x.shape)
+        judge_against("dx", kernel_backward(kernels, mode, x, g, 1), x, 1, mode, torch.float32, g=g)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -369,6 +381,7 @@ def test_kernel_cooperative_one_piece_per_row(kernels, monkeypatch, mode):
     "shape, dim, packed",
     [
         pytest.param((9, 46), -1, True, id="9x46"),
+        pytest.param((5, 64), -1, True, id="5x64"),  # the row fills its piece: no column mask (EVEN)
         pytest.param((3, 4, 98), -1, True, id="3x4x98"),
         pytest.param((9, 45), -1, False, id="odd-9x45"),  # an odd row length cannot be read as pairs
         pytest.param((46, 9), 0, False, id="strided"),  # columns not contiguous: element by element
@@ -747,10 +760,10 @@ def test_gpu_occupancy_rules_match_driver():
     seen = set()
     for piece, warps, nreg, pack in [(2048, 1, None, 1), (2048, 1, 168, 1), (1024, 2, None, 0), (4096, 4, 128, 0),
                                      (8192, 8, None, 0), (2048, 2, 96, 2)]:
-        consts = dict(MODE=0, PIECE=piece // (2 if pack else 1), KB=4, COL64=False, PACK=pack, ASM=True)
+        consts = dict(MODE=0, PIECE=piece // (2 if pack else 1), KB=4, COL64=False, PACK=pack, ASM=True, EVEN=True)
         if nreg:
             consts["maxnreg"] = nreg
-        args = (x, x, words, 64, 4096 if pack else 8192, 1, 8192, 0, 1, 8192, 0, 1, 4, 3)
+        args = (x, x, words, words, 3, 64, 4096 if pack else 8192, 1, 8192, 0, 1, 8192, 0, 1, 4, 3)
         compiled = ks._fwd_coop_kernel.warmup(*args, grid=(1,), num_warps=warps, **consts)
         compiled._init_handles()
         driver = blocks_per_sm_by_driver(compiled.function, warps, compiled.metadata.shared)
@@ -834,6 +847,43 @@ def test_gpu_cooperative_kernels_on_two_streams_at_once():
     for w, gs in zip(want, got):
         for g in gs:
             assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+def test_gpu_cooperative_words_taken_by_turns():
+    """The cooperative launches of one stream take their words from two buffers by turns, each launch
+    resetting what the one before left (`_coop_words`): calls of other shapes, the backward, a larger
+    call that replaces the buffers, and graph capture (fresh words) in between give the same results
+    as the first calls."""
+    from ringlse.kernels import softmax as ks
+
+    xs = [make_x(shape, -1, dtype, scale=3.0, seed=20, device="cuda")
+          for shape, dtype in (((256, 65536), torch.float32), ((300, 40000), torch.bfloat16),
+                               ((512, 131072), torch.float32))]
+    g = torch.randn_like(xs[0])
+    y0 = ks.softmax_forward(xs[0])  # (0 on the all -inf rows, where torch.softmax gives NaN)
+    calls = [lambda: ks.softmax_forward(xs[0]), lambda: ks.softmax_forward(xs[1], log=True),
+             lambda: ks.softmax_backward(y0, g), lambda: ks.softmax_forward(xs[2])]
+    first = [c() for c in calls]
+    judge_against("fwd", first[0], xs[0], -1, "softmax", torch.float32)
+    judge_against("fwd", first[1], xs[1], -1, "log_softmax", torch.bfloat16)
+    judge_against("dx", first[2], xs[0], -1, "softmax", torch.float32, g=g)
+    for order in ([3, 0, 2, 1], [1, 1, 0, 0], [2, 3, 1, 0]):
+        for i in order:
+            assert torch.equal(calls[i](), first[i]), i
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ks.softmax_forward(xs[1], log=True)  # (plan and compile off the capture)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured = ks.softmax_forward(xs[1], log=True)
+    for _ in range(3):
+        graph.replay()
+        assert torch.equal(calls[0](), first[0])
+        torch.cuda.synchronize()
+        assert torch.equal(captured, first[1])
 
 
 LOOKBACK_CASES = [  # rows, cols, dim, dtype, knobs: stats and normalising programs in one launch
