@@ -71,7 +71,9 @@ TOTAL = 1 << 26  # elements per softmax case
 COLS = [1024, 4096, 16384, 32768, 65536, 131072, 1 << 20]
 EXTRA = [(4, 1 << 20, torch.float32), (8, 131072, torch.float32), (16384, 4096, torch.bfloat16),
          (512, 131072, torch.bfloat16), (1 << 20, 97, torch.float32), (2048, 32768, torch.bfloat16),
-         (32, 1 << 21, torch.float32)]
+         (32, 1 << 21, torch.float32),
+         # rows off 16-byte boundaries (odd lengths; 50257: GPT-2's vocabulary)
+         (1300, 50257, torch.float32), (1300, 50257, torch.bfloat16), (16384, 4097, torch.float32)]
 LOG_BMM = [(8, 1024, 1024, 1024), (8, 512, 512, 512), (4, 256, 256, 256), (2, 97, 1000, 130)]
 
 

@@ -111,6 +111,15 @@ TUNING: dict[str, int | None] = {
     "coop_launch": 1,
     # 2-byte rows read and written as int32 words of two elements (`_fwd_coop_kernel`, PACK)
     "coop_pack": 1,
+    # the forward on rows of contiguous columns in 16-byte vectors whatever their length and start
+    # (`_fwd_coop_aligned_kernel`; 0: `_fwd_coop_kernel`, whose loads narrow to the rows' alignment)
+    "coop_aligned": 1,
+    # rows off the boundaries with at least this many columns take it even when short enough for the
+    # row kernel, whose loads narrow to their alignment (H200, float32: 16384 x 4097 0.68 -> 0.80x
+    # copy, 4096 x 16383 0.71 -> 0.87x; but 32768 x 2049 0.89 -> 0.71x; bf16 rows lose: 8192 x 8191
+    # 0.65 -> 0.38x)
+    "aligned_min_cols": 4096,
+    "aligned_min_cols_16": 1 << 30,
     # long rows in one launch, stats and normalising programs interleaved (`_fwd_lookback_kernel`,
     # `_bwd_lookback_kernel`; where the cooperative kernels do not apply): on/off, columns per program,
     # per chunk, warps, most pieces per row, bytes per group of rows. Off: since the cooperative
@@ -610,6 +619,28 @@ def _normalised(x, M_safe, S, MODE: tl.constexpr):
 
 
 @triton.jit
+def _piece_output(x, pm, ps, MODE: tl.constexpr, PACK: tl.constexpr, ASM: tl.constexpr, out_ty: tl.constexpr):
+    """softmax (MODE 0) or log_softmax of a piece held as loaded (elements, or words of two: PACK),
+    given its row's per-piece words (pm, ps); the values to store (words when PACK, else `out_ty`)."""
+    M, S = _merge_lanes(pm, ps)
+    M_safe = tl.where(M == float("-inf"), 0.0, M)
+    # from x, not from the piece's exps: only x is carried to the next step (one register array
+    # fewer than keeping e; a second exp per element is cheap next to the memory traffic)
+    if PACK:
+        lo, hi = _unpack_pair(x, PACK)
+        if MODE == 0:
+            # one FMA and one exp per element, as in `_piece_max_sum`; an all -inf row (S = 0)
+            # gives exp2(-inf) = 0 without a select
+            off = M_safe * LOG2E + tl.log2(tl.where(S > 0.0, S, 1.0))
+            y = _pack_pair(tl.exp2(lo * LOG2E - off), tl.exp2(hi * LOG2E - off), PACK, ASM)
+        else:
+            y = _pack_pair(_normalised(lo, M_safe, S, MODE), _normalised(hi, M_safe, S, MODE), PACK, ASM)
+    else:
+        y = _normalised(x.to(tl.float32), M_safe, S, MODE).to(out_ty)
+    return y
+
+
+@triton.jit
 def _reset_words(c_ptr, n_clear):
     """Set words [0, n_clear) of `c_ptr` to -1 (unpublished), shared out over the grid's programs: the
     words the previous cooperative launch on this stream left published (`_coop_words`)."""
@@ -674,23 +705,134 @@ def _fwd_coop_kernel(
             m1, s1 = _piece_max_sum(x1, PACK)
             _publish_word(w_ptr + nxt * K + k, _pack_word(m1, s1))
         pm, ps = _await_words(w_ptr, row * K, K, KB)
-        M, S = _merge_lanes(pm, ps)
-        M_safe = tl.where(M == float("-inf"), 0.0, M)
-        # from x, not from the piece's exps: only x is carried to the next step (one register array
-        # fewer than keeping e; a second exp per element is cheap next to the memory traffic)
-        if PACK:
-            lo, hi = _unpack_pair(x, PACK)
-            if MODE == 0:
-                # one FMA and one exp per element, as in `_piece_max_sum`; an all -inf row (S = 0)
-                # gives exp2(-inf) = 0 without a select
-                off = M_safe * LOG2E + tl.log2(tl.where(S > 0.0, S, 1.0))
-                y = _pack_pair(tl.exp2(lo * LOG2E - off), tl.exp2(hi * LOG2E - off), PACK, ASM)
-            else:
-                y = _pack_pair(_normalised(lo, M_safe, S, MODE), _normalised(hi, M_safe, S, MODE), PACK, ASM)
-        else:
-            y = _normalised(x.to(tl.float32), M_safe, S, MODE).to(y_ptr.dtype.element_ty)
+        y = _piece_output(x, pm, ps, MODE, PACK, ASM, y_ptr.dtype.element_ty)
         ys = _row_start(row, I, sy_o, sy_i)
         tl.store(yp + ys + _col_offsets(cols, sy_n, COL64), y, mask=cmask)
+        x = x1
+
+
+@triton.jit
+def _unit_span(s, N, p0, PACK: tl.constexpr):
+    """A row's elements [s, s + N) seen from a piece whose first unit (element, or word of two when
+    PACK) is p0: the units it touches, [lo, hi), and the units whose elements are all the row's,
+    [full_lo, full_hi), relative to p0 (int32: a piece is short)."""
+    if PACK:
+        lo, hi = s // 2, (s + N + 1) // 2
+        full_lo, full_hi = (s + 1) // 2, (s + N) // 2
+    else:
+        lo, hi = s, s + N
+        full_lo, full_hi = lo, hi
+    return ((lo - p0).to(tl.int32), (hi - p0).to(tl.int32), (full_lo - p0).to(tl.int32),
+            (full_hi - p0).to(tl.int32))
+
+
+@triton.jit
+def _aligned_base(s, k, PIECE: tl.constexpr, PACK: tl.constexpr):
+    """First unit of piece k of the row starting at element s: pieces start on 16-byte boundaries
+    (4 units), counted from the last one at or before the row's first unit."""
+    u0 = s // 2 if PACK else s
+    return tl.multiple_of(u0 - u0 % 4 + k * PIECE, 4)
+
+
+@triton.jit
+def _load_aligned(xp, s, N, k, ok, PIECE: tl.constexpr, PACK: tl.constexpr, pad):
+    """Piece k of the row at element s (`ok` False: none, all pad) in whole 16-byte vectors: every
+    vector that holds one of the row's units is loaded whole (it may hold units of the rows beside;
+    `_fix_edges` pads them before use), so the loads keep their width whatever the row's start."""
+    p0 = _aligned_base(s, k, PIECE, PACK)
+    lo, hi, _, _ = _unit_span(s, N, p0, PACK)
+    vec = (tl.arange(0, PIECE) // 4) * 4
+    return tl.load(xp + p0 + tl.arange(0, PIECE), mask=(vec + 4 > lo) & (vec < hi) & ok, other=pad)
+
+
+@triton.jit
+def _fix_edges(v, s, N, k, PIECE: tl.constexpr, PACK: tl.constexpr):
+    """Piece k of the row at element s as loaded by `_load_aligned`, with every element that is not the
+    row's set to -inf (a branch: only the pieces at a row's two ends hold such elements)."""
+    p0 = _aligned_base(s, k, PIECE, PACK)
+    lo, hi, full_lo, full_hi = _unit_span(s, N, p0, PACK)
+    u = tl.arange(0, PIECE)
+    if PACK:
+        e = 2 * u + (2 * p0 - s).to(tl.int32)  # each word's low element, from the row's first
+        neg_lo = 0xFF80 if PACK == 1 else 0xFC00
+        v = tl.where((e >= 0) & (e < N), v, (v & -65536) | neg_lo)
+        v = tl.where((e + 1 >= 0) & (e + 1 < N), v, (v & 0xFFFF) | (neg_lo << 16))
+    else:
+        v = tl.where((u >= lo) & (u < hi), v, float("-inf"))
+    return v
+
+
+@triton.jit
+def _store_aligned(yp, y_ptr, s, N, k, y, PIECE: tl.constexpr, PACK: tl.constexpr):
+    """Store piece k of the row at element s: whole 16-byte vectors where all their elements are the
+    row's, and the row's elements in the vectors at its two ends one by one (16-bit stores when PACK:
+    the other half of an end word belongs to the row beside, which another program writes)."""
+    p0 = _aligned_base(s, k, PIECE, PACK)
+    lo, hi, full_lo, full_hi = _unit_span(s, N, p0, PACK)
+    u = tl.arange(0, PIECE)
+    if (full_lo <= 0) & (full_hi >= PIECE):
+        tl.store(yp + p0 + u, y)
+    else:
+        vec = (u // 4) * 4
+        inner = (vec >= full_lo) & (vec + 4 <= full_hi)
+        tl.store(yp + p0 + u, y, mask=inner)
+        if PACK:
+            e = 2 * u + (2 * p0 - s).to(tl.int32)
+            y16 = y_ptr.to(tl.pointer_type(tl.int16)) + s
+            tl.store(y16 + e, y.to(tl.int16), mask=(e >= 0) & (e < N) & ~inner)
+            tl.store(y16 + e + 1, (y >> 16).to(tl.int16), mask=(e + 1 >= 0) & (e + 1 < N) & ~inner)
+        else:
+            tl.store(yp + p0 + u, y, mask=(u >= lo) & (u < hi) & ~inner)
+
+
+@triton.jit
+def _fwd_coop_aligned_kernel(
+    x_ptr, y_ptr, w_ptr, c_ptr, n_clear, R, SPAN, I, sx_o, sx_i, sy_o, sy_i, N, K, SLOTS,
+    MODE: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, PACK: tl.constexpr, ASM: tl.constexpr,
+):
+    """`_fwd_coop_kernel` for rows of contiguous columns, read and written in 16-byte vectors whatever
+    their length and start: piece k of a row starts at the 16-byte boundary at or before the row's
+    first element, plus k pieces (`_aligned_base`), so its loads and stores keep their full width on
+    every row; the elements of the rows beside, in the vectors at a row's ends, are padded with -inf
+    (`_fix_edges`) and not written (`_store_aligned`). Needs both base pointers 16-byte aligned and the
+    rows of y as far from 16-byte boundaries as those of x (the launcher checks). Rows start anywhere:
+    odd lengths and odd row strides too, 2-byte rows as words of two elements (PACK) included.
+
+    SPAN: the units (elements, or words when PACK) a row touches at most, from which the launcher cut
+    K pieces of PIECE units; N: the row's elements."""
+    pid = tl.program_id(0)
+    slot = pid // K
+    k = pid - slot * K
+    if PACK:
+        xp = x_ptr.to(tl.pointer_type(tl.int32))
+        yp = y_ptr.to(tl.pointer_type(tl.int32))
+        pad = -8323200 if PACK == 1 else -67044352  # two -inf: 0xFF80FF80 (bf16), 0xFC00FC00 (fp16)
+    else:
+        xp = x_ptr
+        yp = y_ptr
+        pad = float("-inf")
+    xs = _row_start(slot, I, sx_o, sx_i)
+    x = _load_aligned(xp, xs, N, k, True, PIECE, PACK, pad)
+    nxt = slot + SLOTS
+    x_next = _load_aligned(xp, _row_start(nxt, I, sx_o, sx_i), N, k, nxt < R, PIECE, PACK, pad)
+    _reset_words(c_ptr, n_clear)  # (while the first loads are in flight)
+    # the padded piece replaces the loaded one (both alive at once took registers the pieces need;
+    # the pad is not stored)
+    x = _fix_edges(x, xs, N, k, PIECE, PACK)
+    m, s = _piece_max_sum(x, PACK)
+    _publish_word(w_ptr + slot * K + k, _pack_word(m, s))
+    for row in range(slot, R, SLOTS):
+        nxt = row + SLOTS
+        x1 = x_next
+        after = nxt + SLOTS
+        x_next = _load_aligned(xp, _row_start(after, I, sx_o, sx_i), N, k, after < R, PIECE, PACK, pad)
+        if nxt < R:
+            x1 = _fix_edges(x1, _row_start(nxt, I, sx_o, sx_i), N, k, PIECE, PACK)
+            m1, s1 = _piece_max_sum(x1, PACK)
+            _publish_word(w_ptr + nxt * K + k, _pack_word(m1, s1))
+        pm, ps = _await_words(w_ptr, row * K, K, KB)
+        y = _piece_output(x, pm, ps, MODE, PACK, ASM, y_ptr.dtype.element_ty)
+        _store_aligned(yp, y_ptr, _row_start(row, I, sy_o, sy_i), N, k, y, PIECE, PACK)
         x = x1
 
 
@@ -981,7 +1123,9 @@ def _coop_choose(kernel, which: str, tensors: tuple, R: int, N: int, I: int, str
         if plan is None:
             continue
         K, piece, warps, nreg = plan
-        c = dict(consts, PIECE=piece // per, KB=next_power_of_2(K), EVEN=N % (piece // per) == 0)
+        c = dict(consts, PIECE=piece // per, KB=next_power_of_2(K))
+        if "EVEN" in kernel.arg_names:
+            c["EVEN"] = N % (piece // per) == 0
         # fewer registers per thread: more programs per SM, more bytes in flight. The 2-byte caps were
         # measured on rows read as pairs; element by element (odd lengths) the compiler needs more
         if nreg and (per > 1 or tensors[0].element_size() > 2):
@@ -1089,6 +1233,29 @@ def _coop_words(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tenso
 _COOP_CAP: dict[tuple, int] = {}
 
 
+def _aligned_rows(xm: torch.Tensor, ym: torch.Tensor, N: int, x_strides: tuple, y_strides: tuple
+                  ) -> tuple[int, int] | None:
+    """(SPAN, PACK) for `_fwd_coop_aligned_kernel` where rows start or end off 16-byte boundaries, or
+    None: rows on the boundaries, columns not contiguous, a base pointer off a 16-byte boundary, or
+    rows of y at other offsets from the boundaries than those of x. SPAN: the units (elements; words
+    of two when PACK) a row touches at most: N's, plus a vector and a word."""
+    if not TUNING["coop_aligned"] or x_strides[2] != 1 or y_strides[2] != 1:
+        return None
+    if xm.data_ptr() % 16 or ym.data_ptr() % 16:
+        return None
+    per = 4 // xm.element_size() if xm.element_size() < 4 else 1
+    vec = 4 * per  # elements in 16 bytes
+    if any((a - b) % vec for a, b in zip(x_strides[:2], y_strides[:2])):
+        return None
+    pack = {torch.bfloat16: 1, torch.float16: 2}.get(xm.dtype, 0)
+    units = cdiv(N, per)
+    if x_strides[0] % vec == 0 and x_strides[1] % vec == 0 and N % vec == 0:
+        # every row starts and ends on a boundary: `_fwd_coop_kernel` loads as wide, with less
+        # arithmetic (H200, 2048 x 32768 bf16: 0.87x copy bandwidth there, 0.57x in this kernel)
+        return None
+    return units + 4, pack
+
+
 def _pair_pack(xm: torch.Tensor, ym: torch.Tensor, N: int, row_strides: tuple, col_strides: tuple) -> int:
     """PACK for the cooperative forward: 1 (bf16) or 2 (fp16) where x and y can be read and written as
     int32 words of two elements (contiguous rows of even length, even row strides, 4-byte aligned),
@@ -1148,7 +1315,16 @@ def softmax_forward(
         return _finish(ym, dim, target)
     mode = _LOG_SOFTMAX if log else _SOFTMAX
     col64 = _col64(N, sx_n, sy_n)
-    if N <= int(TUNING["max_row_block_16" if x.element_size() <= 2 else "max_row_block"]):
+    aligned = _aligned_rows(xm, ym, N, (sx_o, sx_i, sx_n), (sy_o, sy_i, sy_n))
+    short = N <= int(TUNING["max_row_block_16" if x.element_size() <= 2 else "max_row_block"])
+    min_cols = int(TUNING["aligned_min_cols_16" if x.element_size() <= 2 else "aligned_min_cols"])
+    if aligned and (not short or N >= min_cols) and _coop_launch(
+        _fwd_coop_aligned_kernel, "fwd", (xm, ym), R, aligned[0], I, (sx_o, sx_i, sy_o, sy_i, N),
+        dict(MODE=mode, PACK=aligned[1], ASM=os.environ.get("TRITON_INTERPRET") != "1"),
+        per=2 if aligned[1] else 1,
+    ):
+        pass
+    elif short:
         block_r, block_n = _short_tile(R, N)
         launch(
             _fwd_rows_kernel, (cdiv(R, block_r),), xm, ym, xm, R, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n,

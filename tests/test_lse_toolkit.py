@@ -376,28 +376,32 @@ def test_kernel_cooperative_one_piece_per_row(kernels, monkeypatch, mode):
         judge_against("dx", kernel_backward(kernels, mode, x, g, 1), x, 1, mode, torch.float32, g=g)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize(
-    "shape, dim, packed",
+    "shape, dim, cut, kernel",
     [
-        pytest.param((9, 46), -1, True, id="9x46"),
-        pytest.param((5, 64), -1, True, id="5x64"),  # the row fills its piece: no column mask (EVEN)
-        pytest.param((3, 4, 98), -1, True, id="3x4x98"),
-        pytest.param((9, 45), -1, False, id="odd-9x45"),  # an odd row length cannot be read as pairs
-        pytest.param((46, 9), 0, False, id="strided"),  # columns not contiguous: element by element
+        pytest.param((9, 46), -1, 0, "aligned", id="9x46"),
+        # rows on 16-byte boundaries: the plain form loads as wide (2-byte rows as words of two)
+        pytest.param((5, 64), -1, 0, "pairs", id="5x64"),
+        pytest.param((3, 4, 98), -1, 0, "aligned", id="3x4x98"),
+        pytest.param((9, 45), -1, 0, "aligned", id="odd-9x45"),  # rows start anywhere: end vectors padded
+        pytest.param((9, 48), -1, 2, "pairs", id="cut2-9x46"),  # base 4-byte but not 16-byte aligned
+        pytest.param((9, 47), -1, 1, "elements", id="cut1-9x46"),  # base 2-byte aligned
+        pytest.param((46, 9), 0, 0, "elements", id="strided"),  # columns not contiguous
     ],
 )
 @pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
-def test_kernel_cooperative_pairs(kernels, monkeypatch, mode, dtype, shape, dim, packed):
-    """The cooperative forward on 2-byte rows read as int32 words of two elements (PACK), under the
-    interpreter with one piece per row: -inf entries, all -inf rows, values x100, and the layouts that
-    must not be packed."""
+def test_kernel_cooperative_layouts(kernels, monkeypatch, mode, dtype, shape, dim, cut, kernel):
+    """The cooperative forward's three forms under the interpreter, with one piece per row: rows of
+    contiguous columns off 16-byte boundaries in 16-byte vectors (`_fwd_coop_aligned_kernel`, 2-byte
+    rows as words of two), else 2-byte rows as words where they are 4-byte aligned, else element by
+    element (`_fwd_coop_kernel`); -inf entries, all -inf rows, values x100."""
     launched = []
     real_launch = kernels._coop_launch
 
-    def spy(kernel, which, tensors, R, N, I, strides, consts, per=1):
-        launched.append(consts.get("PACK"))
-        return real_launch(kernel, which, tensors, R, N, I, strides, consts, per)
+    def spy(kern, which, tensors, R, N, I, strides, consts, per=1):
+        launched.append((kern.fn.__name__, consts.get("PACK")))
+        return real_launch(kern, which, tensors, R, N, I, strides, consts, per)
 
     monkeypatch.setattr(kernels, "_coop_launch", spy)
     monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize, tier="": None if tier else (1, 1 << (N - 1).bit_length(), 4, None))
@@ -405,9 +409,14 @@ def test_kernel_cooperative_pairs(kernels, monkeypatch, mode, dtype, shape, dim,
     monkeypatch.setitem(kernels.TUNING, "max_row_block", 16)
     monkeypatch.setitem(kernels.TUNING, "max_row_block_16", 16)
     for scale in (3.0, 100.0):
-        x = make_x(shape, dim, dtype, scale=scale, seed=23)
+        x = make_x(shape, dim, dtype, scale=scale, seed=23)[..., cut:]
         judge_against("fwd", kernel_forward(kernels, mode, x, dim), x, dim, mode, dtype)
-    assert launched[0] == ({torch.bfloat16: 1, torch.float16: 2}[dtype] if packed else 0)
+    pack = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dtype]
+    if dtype == torch.float32 and kernel == "pairs":
+        kernel = "elements"  # (float32 rows are not paired)
+    want = {"aligned": ("_fwd_coop_aligned_kernel", pack), "pairs": ("_fwd_coop_kernel", pack),
+            "elements": ("_fwd_coop_kernel", 0)}[kernel]
+    assert launched[-1] == want and launched[-1][0] == launched[0][0]
 
 
 def test_cooperative_launch_refused_takes_fewer_rows_in_flight(kernels, monkeypatch):
@@ -420,6 +429,7 @@ def test_cooperative_launch_refused_takes_fewer_rows_in_flight(kernels, monkeypa
 
     class FakeKernel:
         fn = kernels._fwd_coop_kernel.fn
+        arg_names = kernels._fwd_coop_kernel.arg_names
 
         def __init__(self, limit, message="Triton Error [CUDA]: too many blocks in cooperative launch"):
             self.limit, self.message = limit, message
@@ -712,7 +722,10 @@ COOP_CASES = [  # rows, cols, dim, dtype: pieces of a row in registers, merged a
     pytest.param(3, 100003, -1, torch.float32, id="3x100003-fp32"),
     pytest.param(257, 40000, -1, torch.bfloat16, id="257x40000-bf16"),  # read as pairs (PACK)
     pytest.param(129, 40000, -1, torch.float16, id="129x40000-fp16"),
-    pytest.param(65, 40001, -1, torch.bfloat16, id="65x40001-bf16"),  # odd: element by element
+    # odd lengths: rows start anywhere, in 16-byte vectors and words of two (the aligned kernel)
+    pytest.param(65, 40001, -1, torch.bfloat16, id="65x40001-bf16"),
+    pytest.param(100, 50257, -1, torch.float16, id="100x50257-fp16"),
+    pytest.param(70, 40003, -1, torch.float32, id="70x40003-fp32"),
     pytest.param(5, 40001, 0, torch.float32, id="5x40001-dim0-fp32"),  # strided columns
 ]
 
