@@ -641,6 +641,17 @@ def _piece_output(x, pm, ps, MODE: tl.constexpr, PACK: tl.constexpr, ASM: tl.con
 
 
 @triton.jit
+def _piece_pointers(x_ptr, y_ptr, PACK: tl.constexpr):
+    """(x, y, pad): the pointers a cooperative forward loads and stores through (int32 words of two
+    elements when PACK) and the value that pads a piece past the row's end (-inf, or two of them)."""
+    if PACK:
+        pad = -8323200 if PACK == 1 else -67044352  # two -inf: 0xFF80FF80 (bf16), 0xFC00FC00 (fp16)
+        return x_ptr.to(tl.pointer_type(tl.int32)), y_ptr.to(tl.pointer_type(tl.int32)), pad
+    else:
+        return x_ptr, y_ptr, float("-inf")
+
+
+@triton.jit
 def _reset_words(c_ptr, n_clear):
     """Set words [0, n_clear) of `c_ptr` to -1 (unpublished), shared out over the grid's programs: the
     words the previous cooperative launch on this stream left published (`_coop_words`)."""
@@ -680,15 +691,7 @@ def _fwd_coop_kernel(
         cmask = tl.full([PIECE], 1, tl.int1)
     else:
         cmask = cols < N
-    if PACK:
-        xp = x_ptr.to(tl.pointer_type(tl.int32))
-        yp = y_ptr.to(tl.pointer_type(tl.int32))
-        # two -inf: the padding of a piece past the row's end
-        pad = -8323200 if PACK == 1 else -67044352  # 0xFF80FF80 (bf16), 0xFC00FC00 (fp16)
-    else:
-        xp = x_ptr
-        yp = y_ptr
-        pad = float("-inf")
+    xp, yp, pad = _piece_pointers(x_ptr, y_ptr, PACK)
     x_cols = _col_offsets(cols, sx_n, COL64)
     x = tl.load(xp + _row_start(slot, I, sx_o, sx_i) + x_cols, mask=cmask, other=pad)
     nxt = slot + SLOTS
@@ -803,14 +806,7 @@ def _fwd_coop_aligned_kernel(
     pid = tl.program_id(0)
     slot = pid // K
     k = pid - slot * K
-    if PACK:
-        xp = x_ptr.to(tl.pointer_type(tl.int32))
-        yp = y_ptr.to(tl.pointer_type(tl.int32))
-        pad = -8323200 if PACK == 1 else -67044352  # two -inf: 0xFF80FF80 (bf16), 0xFC00FC00 (fp16)
-    else:
-        xp = x_ptr
-        yp = y_ptr
-        pad = float("-inf")
+    xp, yp, pad = _piece_pointers(x_ptr, y_ptr, PACK)
     xs = _row_start(slot, I, sx_o, sx_i)
     x = _load_aligned(xp, xs, N, k, True, PIECE, PACK, pad)
     nxt = slot + SLOTS
