@@ -1131,7 +1131,7 @@ def _coop_choose(kernel, which: str, tensors: tuple, R: int, N: int, I: int, str
             c["maxnreg"] = nreg
         if TUNING["coop_launch"]:
             c["launch_cooperative_grid"] = True
-        words = torch.empty((R, K), dtype=torch.int64, device=device)  # (only read for its dtype here)
+        words = torch.empty(64, dtype=torch.int64, device=device)  # (only its dtype and alignment count here)
         args = (*tensors, words, words, 3, R, N, I, *strides, K, 3)  # (3: placeholders for n_clear, SLOTS)
         slots = _coop_grid(kernel, args, c, warps, R, K, device) or 0
         cap_key = (kernel.fn.__name__, K, warps, tuple(sorted(c.items())), device.index)
@@ -1314,10 +1314,11 @@ def softmax_forward(
         return _finish(ym, dim, target)
     mode = _LOG_SOFTMAX if log else _SOFTMAX
     col64 = _col64(N, sx_n, sy_n)
-    aligned = _aligned_rows(xm, ym, N, (sx_o, sx_i, sx_n), (sy_o, sy_i, sy_n))
     short = N <= int(TUNING["max_row_block_16" if x.element_size() <= 2 else "max_row_block"])
     min_cols = int(TUNING["aligned_min_cols_16" if x.element_size() <= 2 else "aligned_min_cols"])
-    if aligned and (not short or N >= min_cols) and _coop_launch(
+    # (asked only where its answer is used: short rows are launch-bound, every us of host time shows)
+    aligned = (not short or N >= min_cols) and _aligned_rows(xm, ym, N, (sx_o, sx_i, sx_n), (sy_o, sy_i, sy_n))
+    if aligned and _coop_launch(
         _fwd_coop_aligned_kernel, "fwd", (xm, ym), R, aligned[0], I, (sx_o, sx_i, sy_o, sy_i, N),
         dict(MODE=mode, PACK=aligned[1], ASM=os.environ.get("TRITON_INTERPRET") != "1"),
         per=2 if aligned[1] else 1,
