@@ -111,15 +111,20 @@ TUNING: dict[str, int | None] = {
     "coop_launch": 1,
     # 2-byte rows read and written as int32 words of two elements (`_fwd_coop_kernel`, PACK)
     "coop_pack": 1,
-    # the forward on rows of contiguous columns in 16-byte vectors whatever their length and start
-    # (`_fwd_coop_aligned_kernel`; 0: `_fwd_coop_kernel`, whose loads narrow to the rows' alignment)
+    # rows of contiguous columns off 16-byte boundaries in 16-byte vectors whatever their length and
+    # start (`_fwd_coop_aligned_kernel`, `_bwd_coop_aligned_kernel`; 0: `_fwd_coop_kernel` and
+    # `_bwd_coop_kernel`, whose loads narrow to the rows' alignment: one element for odd lengths)
     "coop_aligned": 1,
-    # rows off the boundaries with at least this many columns take it even when short enough for the
-    # row kernel, whose loads narrow to their alignment (H200, float32: 16384 x 4097 0.68 -> 0.80x
-    # copy, 4096 x 16383 0.71 -> 0.87x; but 32768 x 2049 0.89 -> 0.71x; bf16 rows lose: 8192 x 8191
-    # 0.65 -> 0.38x)
+    # rows off the boundaries with at least this many columns take them even when short enough for the
+    # row kernels, whose loads narrow the same way (H200, x the same tensor's copy: float32 16384 x 4097
+    # 0.70 -> 0.92x, 4096 x 16383 0.72 -> 0.92x, but 32768 x 2049 0.90 -> 0.87x; bf16 65536 x 1025
+    # 0.58 -> 0.87x, 16384 x 4097 0.43 -> 0.83x, but 131072 x 513 0.65 -> 0.53x)
     "aligned_min_cols": 4096,
-    "aligned_min_cols_16": 1 << 30,
+    "aligned_min_cols_16": 1024,
+    # the cooperative kernels' pieces halved where a row would fill them less than this, or (2-byte
+    # forward) where a row is cut into fewer pieces (`_coop_plan`)
+    "coop_min_fill": 0.85,
+    "coop_min_pieces_fwd_16": 16,
     # long rows in one launch, stats and normalising programs interleaved (`_fwd_lookback_kernel`,
     # `_bwd_lookback_kernel`; where the cooperative kernels do not apply): on/off, columns per program,
     # per chunk, warps, most pieces per row, bytes per group of rows. Off: since the cooperative
@@ -623,6 +628,12 @@ def _piece_output(x, pm, ps, MODE: tl.constexpr, PACK: tl.constexpr, ASM: tl.con
     """softmax (MODE 0) or log_softmax of a piece held as loaded (elements, or words of two: PACK),
     given its row's per-piece words (pm, ps); the values to store (words when PACK, else `out_ty`)."""
     M, S = _merge_lanes(pm, ps)
+    return _output_of(x, M, S, MODE, PACK, ASM, out_ty)
+
+
+@triton.jit
+def _output_of(x, M, S, MODE: tl.constexpr, PACK: tl.constexpr, ASM: tl.constexpr, out_ty: tl.constexpr):
+    """`_piece_output` given the row's max M and sum S (`_merge_lanes`)."""
     M_safe = tl.where(M == float("-inf"), 0.0, M)
     # from x, not from the piece's exps: only x is carried to the next step (one register array
     # fewer than keeping e; a second exp per element is cheap next to the memory traffic)
@@ -715,124 +726,113 @@ def _fwd_coop_kernel(
 
 
 @triton.jit
-def _unit_span(s, N, p0, PACK: tl.constexpr):
-    """A row's elements [s, s + N) seen from a piece whose first unit (element, or word of two when
-    PACK) is p0: the units it touches, [lo, hi), and the units whose elements are all the row's,
-    [full_lo, full_hi), relative to p0 (int32: a piece is short)."""
-    if PACK:
-        lo, hi = s // 2, (s + N + 1) // 2
-        full_lo, full_hi = (s + 1) // 2, (s + N) // 2
-    else:
-        lo, hi = s, s + N
-        full_lo, full_hi = lo, hi
-    return ((lo - p0).to(tl.int32), (hi - p0).to(tl.int32), (full_lo - p0).to(tl.int32),
-            (full_hi - p0).to(tl.int32))
+def _row_cuts(s, N, VE: tl.constexpr):
+    """The row's elements [s, s + N) cut at 16-byte boundaries (every VE elements): the first boundary
+    at or after s, a, and the last at or before s + N, b; whole vectors [a, b) where a <= b, else (a
+    row that starts and ends inside one vector) none. The head [s, min(a, s + N)) and the tail
+    [max(b, a), s + N) are shorter than a vector."""
+    a = (s + VE - 1) // VE * VE
+    return a, (s + N) // VE * VE
 
 
 @triton.jit
-def _aligned_base(s, k, PIECE: tl.constexpr, PACK: tl.constexpr):
-    """First unit of piece k of the row starting at element s: pieces start on 16-byte boundaries
-    (4 units), counted from the last one at or before the row's first unit."""
-    u0 = s // 2 if PACK else s
-    return tl.multiple_of(u0 - u0 % 4 + k * PIECE, 4)
+def _body(s, N, k, ok, PIECE: tl.constexpr, VE: tl.constexpr, UV: tl.constexpr):
+    """(first unit, mask) of piece k of the row at element s (`ok` False: nothing): pieces start on the
+    row's first 16-byte boundary, plus k pieces, and hold units (elements, or words of two), UV to a
+    vector of VE elements; the mask takes the row's whole vectors (it is the same over each vector, so
+    the loads and stores keep their 16-byte width), which fill K pieces of `(N // VE) * UV` units."""
+    per: tl.constexpr = VE // UV
+    a, b = _row_cuts(s, N, VE)
+    p0 = tl.multiple_of(a // per + k * PIECE, UV)
+    vec = (tl.arange(0, PIECE) // UV) * UV
+    return p0, (vec < (b // per - p0).to(tl.int32)) & ok
 
 
 @triton.jit
-def _load_aligned(xp, s, N, k, ok, PIECE: tl.constexpr, PACK: tl.constexpr, pad):
-    """Piece k of the row at element s (`ok` False: none, all pad) in whole 16-byte vectors: every
-    vector that holds one of the row's units is loaded whole (it may hold units of the rows beside;
-    `_fix_edges` pads them before use), so the loads keep their width whatever the row's start."""
-    p0 = _aligned_base(s, k, PIECE, PACK)
-    lo, hi, _, _ = _unit_span(s, N, p0, PACK)
-    vec = (tl.arange(0, PIECE) // 4) * 4
-    return tl.load(xp + p0 + tl.arange(0, PIECE), mask=(vec + 4 > lo) & (vec < hi) & ok, other=pad)
+def _ends(s, N, k, ok, VE: tl.constexpr):
+    """(element offsets, mask) of the row's head and tail (`_row_cuts`), at most VE - 1 elements each,
+    read and written one by one; piece 0 holds them (`ok` False: nothing)."""
+    a, b = _row_cuts(s, N, VE)
+    head_end = tl.minimum(a, s + N)
+    j = tl.arange(0, 2 * VE)
+    head = j < VE
+    e = tl.where(head, s + j, tl.maximum(b, head_end) + j - VE)
+    return e, tl.where(head, e < head_end, e < s + N) & (k == 0) & ok
 
 
 @triton.jit
-def _fix_edges(v, s, N, k, PIECE: tl.constexpr, PACK: tl.constexpr):
-    """Piece k of the row at element s as loaded by `_load_aligned`, with every element that is not the
-    row's set to -inf. Applied to every piece, though only the two at a row's ends hold such elements:
-    behind a branch, bf16 pieces spilled 224 bytes per thread at the 168-register cap (56 without)."""
-    p0 = _aligned_base(s, k, PIECE, PACK)
-    lo, hi, _, _ = _unit_span(s, N, p0, PACK)
-    u = tl.arange(0, PIECE)
-    if PACK:
-        e = 2 * u + (2 * p0 - s).to(tl.int32)  # each word's low element, from the row's first
-        # -inf in the low half (0xFF80 / 0xFC00) and in the high half, as int32 (0xFF800000 / 0xFC000000)
-        neg_lo = 0xFF80 if PACK == 1 else 0xFC00
-        neg_hi = -8388608 if PACK == 1 else -67108864
-        v = tl.where((e >= 0) & (e < N), v, (v & -65536) | neg_lo)
-        v = tl.where((e + 1 >= 0) & (e + 1 < N), v, (v & 0xFFFF) | neg_hi)
-    else:
-        v = tl.where((u >= lo) & (u < hi), v, float("-inf"))
-    return v
+def _load_row_piece(x_ptr, xp, s, N, k, ok, pad, PIECE: tl.constexpr, VE: tl.constexpr):
+    """Piece k of the row at element s: its whole vectors (as units, `pad` elsewhere) and, for piece 0,
+    the row's head and tail elements in float32 (-inf elsewhere)."""
+    p0, body = _body(s, N, k, ok, PIECE, VE, 4)
+    e, ends = _ends(s, N, k, ok, VE)
+    x = tl.load(xp + p0 + tl.arange(0, PIECE), mask=body, other=pad)
+    return x, tl.load(x_ptr + e, mask=ends, other=float("-inf")).to(tl.float32)
 
 
 @triton.jit
-def _store_aligned(yp, y_ptr, s, N, k, y, PIECE: tl.constexpr, PACK: tl.constexpr):
-    """Store piece k of the row at element s: whole 16-byte vectors where all their elements are the
-    row's, and the row's elements in the vectors at its two ends one by one (16-bit stores when PACK:
-    the other half of an end word belongs to the row beside, which another program writes)."""
-    p0 = _aligned_base(s, k, PIECE, PACK)
-    lo, hi, full_lo, full_hi = _unit_span(s, N, p0, PACK)
-    u = tl.arange(0, PIECE)
-    if (full_lo <= 0) & (full_hi >= PIECE):
-        tl.store(yp + p0 + u, y)
-    else:
-        vec = (u // 4) * 4
-        inner = (vec >= full_lo) & (vec + 4 <= full_hi)
-        tl.store(yp + p0 + u, y, mask=inner)
-        if PACK:
-            e = 2 * u + (2 * p0 - s).to(tl.int32)
-            y16 = y_ptr.to(tl.pointer_type(tl.int16)) + s
-            tl.store(y16 + e, y.to(tl.int16), mask=(e >= 0) & (e < N) & ~inner)
-            tl.store(y16 + e + 1, (y >> 16).to(tl.int16), mask=(e + 1 >= 0) & (e + 1 < N) & ~inner)
-        else:
-            tl.store(yp + p0 + u, y, mask=(u >= lo) & (u < hi) & ~inner)
+def _merge_two(m1, s1, m2, s2):
+    """Two `(max, sum of exp(x - max))` pairs as one (an all -inf side has max -inf and sum 0)."""
+    M = tl.maximum(m1, m2)
+    M_safe = tl.where(M == float("-inf"), 0.0, M)
+    return M, s1 * tl.exp2((m1 - M_safe) * LOG2E) + s2 * tl.exp2((m2 - M_safe) * LOG2E)
+
+
+@triton.jit
+def _publish_piece(w_ptr, i, x, xe, PACK: tl.constexpr):
+    """Publish word i: the `(max, sum)` of a piece's vectors x and its end elements xe."""
+    m, s = _piece_max_sum(x, PACK)
+    me, se = _piece_max_sum(xe, 0)
+    m, s = _merge_two(m, s, me, se)
+    _publish_word(w_ptr + i, _pack_word(m, s))
 
 
 @triton.jit
 def _fwd_coop_aligned_kernel(
     x_ptr, y_ptr, w_ptr, c_ptr, n_clear, R, SPAN, I, sx_o, sx_i, sy_o, sy_i, N, K, SLOTS,
     MODE: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, PACK: tl.constexpr, ASM: tl.constexpr,
+    VE: tl.constexpr,
 ):
     """`_fwd_coop_kernel` for rows of contiguous columns, read and written in 16-byte vectors whatever
-    their length and start: piece k of a row starts at the 16-byte boundary at or before the row's
-    first element, plus k pieces (`_aligned_base`), so its loads and stores keep their full width on
-    every row; the elements of the rows beside, in the vectors at a row's ends, are padded with -inf
-    (`_fix_edges`) and not written (`_store_aligned`). Needs both base pointers 16-byte aligned and the
-    rows of y as far from 16-byte boundaries as those of x (the launcher checks). Rows start anywhere:
-    odd lengths and odd row strides too, 2-byte rows as words of two elements (PACK) included.
+    their length and start: piece k of a row starts at the row's first 16-byte boundary, plus k pieces
+    (`_body`), so its loads and stores keep their full width on every row, and the pieces hold only
+    whole vectors of the row; the elements before the row's first boundary and after its last (fewer
+    than a vector at each end) are read and written one by one by piece 0 (`_ends`). Needs both base pointers 16-byte aligned
+    and the rows of y as far from 16-byte boundaries as those of x (the launcher checks). Rows start
+    anywhere: odd lengths and odd row strides too, 2-byte rows as words of two elements (PACK) included.
 
-    SPAN: the units (elements, or words when PACK) a row touches at most, from which the launcher cut
-    K pieces of PIECE units; N: the row's elements."""
+    The ends apart, rather than whole vectors padded element by element where they hold the rows
+    beside: the padding took registers over the whole piece (compiled for sm_90: bf16 pieces of 1024
+    words on one warp 255 registers uncapped, 184 in `_fwd_coop_kernel`).
+
+    SPAN: the units (elements, or words when PACK) of a row's whole vectors at most, from which the
+    launcher cut K pieces of PIECE units; N: the row's elements; VE: elements per 16 bytes."""
     pid = tl.program_id(0)
     slot = pid // K
     k = pid - slot * K
     xp, yp, pad = _piece_pointers(x_ptr, y_ptr, PACK)
-    xs = _row_start(slot, I, sx_o, sx_i)
-    x = _load_aligned(xp, xs, N, k, True, PIECE, PACK, pad)
+    x, xe = _load_row_piece(x_ptr, xp, _row_start(slot, I, sx_o, sx_i), N, k, True, pad, PIECE, VE)
     nxt = slot + SLOTS
-    x_next = _load_aligned(xp, _row_start(nxt, I, sx_o, sx_i), N, k, nxt < R, PIECE, PACK, pad)
+    x_next, xe_next = _load_row_piece(x_ptr, xp, _row_start(nxt, I, sx_o, sx_i), N, k, nxt < R, pad, PIECE, VE)
     _reset_words(c_ptr, n_clear)  # (while the first loads are in flight)
-    # the padded piece replaces the loaded one (both alive at once took registers the pieces need;
-    # the pad is not stored)
-    x = _fix_edges(x, xs, N, k, PIECE, PACK)
-    m, s = _piece_max_sum(x, PACK)
-    _publish_word(w_ptr + slot * K + k, _pack_word(m, s))
+    _publish_piece(w_ptr, slot * K + k, x, xe, PACK)
     for row in range(slot, R, SLOTS):
         nxt = row + SLOTS
-        x1 = x_next
+        x1, xe1 = x_next, xe_next
         after = nxt + SLOTS
-        x_next = _load_aligned(xp, _row_start(after, I, sx_o, sx_i), N, k, after < R, PIECE, PACK, pad)
+        x_next, xe_next = _load_row_piece(x_ptr, xp, _row_start(after, I, sx_o, sx_i), N, k, after < R, pad,
+                                          PIECE, VE)
         if nxt < R:
-            x1 = _fix_edges(x1, _row_start(nxt, I, sx_o, sx_i), N, k, PIECE, PACK)
-            m1, s1 = _piece_max_sum(x1, PACK)
-            _publish_word(w_ptr + nxt * K + k, _pack_word(m1, s1))
+            _publish_piece(w_ptr, nxt * K + k, x1, xe1, PACK)
         pm, ps = _await_words(w_ptr, row * K, K, KB)
-        y = _piece_output(x, pm, ps, MODE, PACK, ASM, y_ptr.dtype.element_ty)
-        _store_aligned(yp, y_ptr, _row_start(row, I, sy_o, sy_i), N, k, y, PIECE, PACK)
-        x = x1
+        M, S = _merge_lanes(pm, ps)
+        ys = _row_start(row, I, sy_o, sy_i)
+        p0, body = _body(ys, N, k, True, PIECE, VE, 4)
+        tl.store(yp + p0 + tl.arange(0, PIECE), _output_of(x, M, S, MODE, PACK, ASM, y_ptr.dtype.element_ty),
+                 mask=body)
+        e, ends = _ends(ys, N, k, True, VE)
+        tl.store(y_ptr + e, _output_of(xe, M, S, MODE, 0, ASM, y_ptr.dtype.element_ty), mask=ends)
+        x, xe = x1, xe1
 
 
 @triton.jit
@@ -873,6 +873,53 @@ def _bwd_coop_kernel(
             dx = y * (g - total)
         dstart = _row_start(row, I, sd_o, sd_i)
         tl.store(dx_ptr + dstart + _col_offsets(cols, sd_n, COL64), dx.to(dx_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _load_bwd_piece(p_ptr, s, N, k, other, PIECE: tl.constexpr, VE: tl.constexpr):
+    """Piece k of the row at element s of y or g, as `_load_row_piece` but in float32 elements (the
+    backward's pieces are loaded as elements): its whole vectors, and for piece 0 the row's ends."""
+    p0, body = _body(s, N, k, True, PIECE, VE, VE)
+    e, ends = _ends(s, N, k, True, VE)
+    v = tl.load(p_ptr + p0 + tl.arange(0, PIECE), mask=body, other=other).to(tl.float32)
+    return v, tl.load(p_ptr + e, mask=ends, other=other).to(tl.float32)
+
+
+@triton.jit
+def _bwd_coop_aligned_kernel(
+    y_ptr, g_ptr, dx_ptr, w_ptr, c_ptr, n_clear, R, SPAN, I, sy_o, sy_i, sg_o, sg_i, sd_o, sd_i, N, K, SLOTS,
+    LOG: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, VE: tl.constexpr,
+):
+    """`_bwd_coop_kernel` for rows of contiguous columns off 16-byte boundaries, in 16-byte vectors and
+    the row's ends apart, as `_fwd_coop_aligned_kernel` (element by element, those rows read at a
+    fraction of the bandwidth: H200, bf16 1300 x 50257 log_softmax backward 0.86x PyTorch's). Needs
+    the rows of y, g and dx at the same offsets from 16-byte boundaries (the launcher checks)."""
+    pid = tl.program_id(0)
+    slot = pid // K
+    k = pid - slot * K
+    _reset_words(c_ptr, n_clear)
+    y_other = float("-inf") if LOG else 0.0
+    for row in range(slot, R, SLOTS):
+        y, ye = _load_bwd_piece(y_ptr, _row_start(row, I, sy_o, sy_i), N, k, y_other, PIECE, VE)
+        g, ge = _load_bwd_piece(g_ptr, _row_start(row, I, sg_o, sg_i), N, k, 0.0, PIECE, VE)
+        if LOG:
+            part = tl.sum(g, axis=0) + tl.sum(ge, axis=0)
+        else:
+            part = tl.sum(g * y, axis=0) + tl.sum(ge * ye, axis=0)
+        _publish_word(w_ptr + row * K + k, _pack_word(tl.full([], 0.0, tl.float32), part))
+        _, parts = _await_words(w_ptr, row * K, K, KB)
+        total = tl.sum(parts, axis=0)
+        if LOG:
+            dx = g - tl.exp2(y * LOG2E) * total
+            dxe = ge - tl.exp2(ye * LOG2E) * total
+        else:
+            dx = y * (g - total)
+            dxe = ye * (ge - total)
+        ds = _row_start(row, I, sd_o, sd_i)
+        p0, body = _body(ds, N, k, True, PIECE, VE, VE)
+        tl.store(dx_ptr + p0 + tl.arange(0, PIECE), dx.to(dx_ptr.dtype.element_ty), mask=body)
+        e, ends = _ends(ds, N, k, True, VE)
+        tl.store(dx_ptr + e, dxe.to(dx_ptr.dtype.element_ty), mask=ends)
 
 
 @triton.jit
@@ -1059,6 +1106,19 @@ def _coop_plan(R: int, N: int, device: torch.device, which: str, itemsize: int =
     piece, warps = piece * grow, max(warps, min(8, warps * grow))
     if piece > 64 * 32 * warps:  # more than 64 columns per thread would spill registers
         return None
+    # a row that leaves its last piece mostly empty holds registers the GPU could keep bytes in flight
+    # with: pieces half as long (on half the warps), where that fills them better (H200, float32
+    # 16384 x 4097: 5 pieces of 1024 columns 80% full, 0.85x copy; 9 of 512 89% full, 0.90x)
+    fill = lambda p: N / (cdiv(N, p) * p)  # noqa: E731
+    halve = fill(piece) < float(TUNING["coop_min_fill"]) and fill(piece // 2) > fill(piece)
+    # and the 2-byte forward on rows of few pieces (H200, bf16 rows off the boundaries, x the same
+    # tensor's copy: 8192 x 8191, 4 pieces: 0.79 -> 0.84x; 4096 x 16383, 8: 0.79 -> 0.83x; but 32767
+    # columns, 16: 0.84 -> 0.79x)
+    few = f"coop_min_pieces_{which}_16"
+    # (a row of one piece never waits on another: 32768 x 2049, 1 piece, 0.87x; 2 pieces 0.85x)
+    halve = halve or (itemsize <= 2 and few in TUNING and 1 < cdiv(N, piece) < int(TUNING[few]))
+    if not tier and grow == 1 and halve:
+        piece, warps = piece // 2, max(1, warps // 2)
     nreg = TUNING.get(f"coop_maxnreg_{name}")
     return cdiv(N, piece), piece, warps, int(nreg) if nreg else None
 
@@ -1232,27 +1292,19 @@ def _coop_words(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tenso
 _COOP_CAP: dict[tuple, int] = {}
 
 
-def _aligned_rows(xm: torch.Tensor, ym: torch.Tensor, N: int, x_strides: tuple, y_strides: tuple
-                  ) -> tuple[int, int] | None:
-    """(SPAN, PACK) for `_fwd_coop_aligned_kernel` where rows start or end off 16-byte boundaries, or
-    None: rows on the boundaries, columns not contiguous, a base pointer off a 16-byte boundary, or
-    rows of y at other offsets from the boundaries than those of x. SPAN: the units (elements; words
-    of two when PACK) a row touches at most: N's, plus a vector and a word."""
-    if not TUNING["coop_aligned"] or x_strides[2] != 1 or y_strides[2] != 1:
-        return None
-    if xm.data_ptr() % 16 or ym.data_ptr() % 16:
-        return None
-    per = 4 // xm.element_size() if xm.element_size() < 4 else 1
-    vec = 4 * per  # elements in 16 bytes
-    if any((a - b) % vec for a, b in zip(x_strides[:2], y_strides[:2])):
-        return None
-    pack = {torch.bfloat16: 1, torch.float16: 2}.get(xm.dtype, 0)
-    units = cdiv(N, per)
-    if x_strides[0] % vec == 0 and x_strides[1] % vec == 0 and N % vec == 0:
-        # every row starts and ends on a boundary: `_fwd_coop_kernel` loads as wide, with less
-        # arithmetic (H200, 2048 x 32768 bf16: 0.87x copy bandwidth there, 0.57x in this kernel)
-        return None
-    return units + 4, pack
+def _aligned_rows(ts: tuple[torch.Tensor, ...], N: int, strides: tuple[tuple[int, int, int], ...]) -> bool:
+    """Whether the rows of `ts` (with their (outer, inner, column) strides) take the aligned cooperative
+    kernels (`_fwd_coop_aligned_kernel`, `_bwd_coop_aligned_kernel`): they start or end off 16-byte
+    boundaries, and their columns are contiguous, their base pointers 16-byte aligned and the rows of
+    every tensor at the offsets from the boundaries of the first's."""
+    if not TUNING["coop_aligned"] or any(st[2] != 1 for st in strides) or any(t.data_ptr() % 16 for t in ts):
+        return False
+    vec = 16 // ts[0].element_size()  # elements in 16 bytes
+    if any((a - b) % vec for st in strides[1:] for a, b in zip(st[:2], strides[0][:2])):
+        return False
+    # every row on a boundary: `_fwd_coop_kernel` loads as wide, with less arithmetic (H200, 2048 x
+    # 32768 bf16: 0.87x copy bandwidth there, 0.57x in the first aligned kernel)
+    return not (strides[0][0] % vec == 0 and strides[0][1] % vec == 0 and N % vec == 0)
 
 
 def _pair_pack(xm: torch.Tensor, ym: torch.Tensor, N: int, row_strides: tuple, col_strides: tuple) -> int:
@@ -1317,11 +1369,14 @@ def softmax_forward(
     short = N <= int(TUNING["max_row_block_16" if x.element_size() <= 2 else "max_row_block"])
     min_cols = int(TUNING["aligned_min_cols_16" if x.element_size() <= 2 else "aligned_min_cols"])
     # (asked only where its answer is used: short rows are launch-bound, every us of host time shows)
-    aligned = (not short or N >= min_cols) and _aligned_rows(xm, ym, N, (sx_o, sx_i, sx_n), (sy_o, sy_i, sy_n))
+    aligned = (not short or N >= min_cols) and _aligned_rows((xm, ym), N, ((sx_o, sx_i, sx_n), (sy_o, sy_i, sy_n)))
+    words = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)  # 2-byte rows as words of two
     if aligned and _coop_launch(
-        _fwd_coop_aligned_kernel, "fwd", (xm, ym), R, aligned[0], I, (sx_o, sx_i, sy_o, sy_i, N),
-        dict(MODE=mode, PACK=aligned[1], ASM=os.environ.get("TRITON_INTERPRET") != "1"),
-        per=2 if aligned[1] else 1,
+        # SPAN: the units of a row's whole vectors, at most (4 per vector; a row inside one: a piece)
+        _fwd_coop_aligned_kernel, "fwd", (xm, ym), R, max(1, N * x.element_size() // 16 * 4), I,
+        (sx_o, sx_i, sy_o, sy_i, N),
+        dict(MODE=mode, PACK=words, ASM=os.environ.get("TRITON_INTERPRET") != "1", VE=16 // x.element_size()),
+        per=2 if words else 1,
     ):
         pass
     elif short:
@@ -1442,7 +1497,17 @@ def softmax_backward(
     if R == 0 or N == 0:
         return _finish(dm, dim, target)
     col64 = _col64(N, sy_n, sg_n, sd_n)
-    if N <= int(TUNING["max_row_block_bwd"]):
+    short = N <= int(TUNING["max_row_block_bwd"])
+    min_cols = int(TUNING["aligned_min_cols_16" if y.element_size() <= 2 else "aligned_min_cols"])
+    strides = ((sy_o, sy_i, sy_n), (sg_o, sg_i, sg_n), (sd_o, sd_i, sd_n))
+    ve = 16 // y.element_size()  # elements per 16-byte vector
+    if (not short or N >= min_cols) and _aligned_rows((ym, gm, dm), N, strides) and _coop_launch(
+        # SPAN: the elements of a row's whole vectors, at most
+        _bwd_coop_aligned_kernel, "bwd", (ym, gm, dm), R, max(1, N // ve * ve), I,
+        (sy_o, sy_i, sg_o, sg_i, sd_o, sd_i, N), dict(LOG=log, VE=ve),
+    ):
+        pass
+    elif short:
         block_r, block_n = _short_tile(R, N)
         launch(
             _bwd_rows_kernel, (cdiv(R, block_r),), ym, gm, dm, R, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n,

@@ -388,35 +388,54 @@ def test_kernel_cooperative_one_piece_per_row(kernels, monkeypatch, mode):
         pytest.param((9, 48), -1, 2, "pairs", id="cut2-9x46"),  # base 4-byte but not 16-byte aligned
         pytest.param((9, 47), -1, 1, "elements", id="cut1-9x46"),  # base 2-byte aligned
         pytest.param((46, 9), 0, 0, "elements", id="strided"),  # columns not contiguous
+        pytest.param((11, 7), -1, 0, "aligned", id="tiny-11x7"),  # rows within a vector or two: no whole vector
     ],
 )
 @pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
 def test_kernel_cooperative_layouts(kernels, monkeypatch, mode, dtype, shape, dim, cut, kernel):
-    """The cooperative forward's three forms under the interpreter, with one piece per row: rows of
-    contiguous columns off 16-byte boundaries in 16-byte vectors (`_fwd_coop_aligned_kernel`, 2-byte
-    rows as words of two), else 2-byte rows as words where they are 4-byte aligned, else element by
-    element (`_fwd_coop_kernel`); -inf entries, all -inf rows, values x100."""
+    """The cooperative kernels' forms under the interpreter, with one piece per row: rows of
+    contiguous columns off 16-byte boundaries in 16-byte vectors and their ends element by element
+    (`_fwd_coop_aligned_kernel`, 2-byte rows as words of two; `_bwd_coop_aligned_kernel`), else
+    2-byte rows as words where they are 4-byte aligned, else element by element (`_fwd_coop_kernel`,
+    `_bwd_coop_kernel`); -inf entries, all -inf rows, values x100, forward and backward."""
     launched = []
     real_launch = kernels._coop_launch
 
     def spy(kern, which, tensors, R, N, I, strides, consts, per=1):
-        launched.append((kern.fn.__name__, consts.get("PACK")))
+        launched.append((which, kern.fn.__name__, consts.get("PACK")))
         return real_launch(kern, which, tensors, R, N, I, strides, consts, per)
 
     monkeypatch.setattr(kernels, "_coop_launch", spy)
     monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize, tier="": None if tier else (1, 1 << (N - 1).bit_length(), 4, None))
     monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: min(R, 3))
-    monkeypatch.setitem(kernels.TUNING, "max_row_block", 16)
-    monkeypatch.setitem(kernels.TUNING, "max_row_block_16", 16)
+    for knob in ("max_row_block", "max_row_block_16", "max_row_block_bwd"):
+        monkeypatch.setitem(kernels.TUNING, knob, 4)
+    monkeypatch.setitem(kernels.TUNING, "aligned_min_cols", 1)  # (the tiny rows take it too)
+    monkeypatch.setitem(kernels.TUNING, "aligned_min_cols_16", 1)
     for scale in (3.0, 100.0):
         x = make_x(shape, dim, dtype, scale=scale, seed=23)[..., cut:]
         judge_against("fwd", kernel_forward(kernels, mode, x, dim), x, dim, mode, dtype)
+        g = torch.randn(x.shape, dtype=F64).to(dtype)
+        if dtype != torch.bfloat16:
+            judge_against("dx", kernel_backward(kernels, mode, x, g, dim), x, dim, mode, dtype, g=g)
+        else:  # (a bf16 backward from a rounded y has no in-dtype baseline here: the same y's gradient by
+            # the element-by-element kernel, within one bf16 rounding; both are judged on the GPU)
+            y = kernels.softmax_forward(x, dim, log=mode == "log_softmax")
+            dx = kernels.softmax_backward(y, g, dim, log=mode == "log_softmax").double()
+            monkeypatch.setitem(kernels.TUNING, "coop_aligned", 0)
+            plain = kernels.softmax_backward(y, g, dim, log=mode == "log_softmax").double()
+            monkeypatch.setitem(kernels.TUNING, "coop_aligned", 1)
+            assert (dx - plain).abs().max() <= 2**-8 * plain.abs().max()
     pack = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dtype]
     if dtype == torch.float32 and kernel == "pairs":
         kernel = "elements"  # (float32 rows are not paired)
     want = {"aligned": ("_fwd_coop_aligned_kernel", pack), "pairs": ("_fwd_coop_kernel", pack),
             "elements": ("_fwd_coop_kernel", 0)}[kernel]
-    assert launched[-1] == want and launched[-1][0] == launched[0][0]
+    # the backward's y, g and dx are fresh: contiguous rows, off the boundaries where their length is
+    off = dim == -1 and x.shape[-1] * x.element_size() % 16
+    want_bwd = "_bwd_coop_aligned_kernel" if off else "_bwd_coop_kernel"
+    assert launched[0][1:] == want  # (the first launches: with the knobs as set)
+    assert next(k[1] for k in launched if k[0] == "bwd") == want_bwd
 
 
 def test_cooperative_launch_refused_takes_fewer_rows_in_flight(kernels, monkeypatch):
@@ -677,6 +696,9 @@ GPU_CASES = [  # rows, cols, dtypes: every size in bf16, a spread in fp32 and fp
     (33, 97, (BF16, FP16, FP32)),
     (2000, 300, (FP32,)),  # many short rows: several rows per program in a small tile
     (16, 4097, (BF16, FP32)),
+    # rows off 16-byte boundaries, enough of them for the cooperative kernels: in 16-byte vectors
+    (257, 1025, (BF16,)),  # one piece per row
+    (100, 4097, (BF16, FP16, FP32)),  # a few pieces (halved for 2-byte rows)
     (8, 16384, (BF16,)),
     (300, 20000, (BF16, FP32)),  # long rows, one program per row (two passes)
     (3, 131072, (BF16, FP16)),  # long rows split over programs
