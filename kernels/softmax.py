@@ -800,9 +800,10 @@ def _fwd_coop_aligned_kernel(
     their length and start: piece k of a row starts at the row's first 16-byte boundary, plus k pieces
     (`_body`), so its loads and stores keep their full width on every row, and the pieces hold only
     whole vectors of the row; the elements before the row's first boundary and after its last (fewer
-    than a vector at each end) are read and written one by one by piece 0 (`_ends`). Needs both base pointers 16-byte aligned
-    and the rows of y as far from 16-byte boundaries as those of x (the launcher checks). Rows start
-    anywhere: odd lengths and odd row strides too, 2-byte rows as words of two elements (PACK) included.
+    than a vector at each end) are read and written one by one by piece 0 (`_ends`). Needs both base
+    pointers 16-byte aligned and the rows of y as far from 16-byte boundaries as those of x (the
+    launcher checks). Rows start anywhere: odd lengths and odd row strides too, 2-byte rows as words of
+    two elements (PACK) included.
 
     The ends apart, rather than whole vectors padded element by element where they hold the rows
     beside: the padding took registers over the whole piece (compiled for sm_90: bf16 pieces of 1024
@@ -1111,7 +1112,8 @@ def _coop_plan(R: int, N: int, device: torch.device, which: str, itemsize: int =
         return None
     # a row that leaves its last piece mostly empty holds registers the GPU could keep bytes in flight
     # with: pieces half as long (on half the warps), where that fills them better (H200, float32
-    # 16384 x 4097: 5 pieces of 1024 columns 80% full, 0.85x copy; 9 of 512 89% full, 0.90x)
+    # 16384 x 4097 while the aligned pieces also held the row's head, 4101 columns: 5 pieces of 1024,
+    # 80% full, 0.85x copy; 9 of 512, 89% full, 0.90x)
     fill = lambda p: N / (cdiv(N, p) * p)  # noqa: E731
     halve = fill(piece) < float(TUNING["coop_min_fill"]) and fill(piece // 2) > fill(piece)
     # and the 2-byte forward on rows of few pieces (H200, bf16 rows off the boundaries, x the same
