@@ -388,7 +388,7 @@ def test_kernel_cooperative_one_piece_per_row(kernels, monkeypatch, mode):
         pytest.param((9, 48), -1, 2, "pairs", id="cut2-9x46"),  # base 4-byte but not 16-byte aligned
         pytest.param((9, 47), -1, 1, "elements", id="cut1-9x46"),  # base 2-byte aligned
         pytest.param((46, 9), 0, 0, "elements", id="strided"),  # columns not contiguous
-        pytest.param((11, 7), -1, 0, "aligned", id="tiny-11x7"),  # rows within a vector or two: no whole vector
+        pytest.param((11, 7), -1, 0, "aligned", id="tiny-11x7"),  # rows of 7: one whole vector at most, or none
     ],
 )
 @pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
