@@ -764,13 +764,24 @@ def _ends(s, N, k, ok, VE: tl.constexpr):
 
 
 @triton.jit
-def _load_row_piece(x_ptr, xp, s, N, k, ok, pad, PIECE: tl.constexpr, VE: tl.constexpr):
-    """Piece k of the row at element s: its whole vectors (as units, `pad` elsewhere) and, for piece 0,
-    the row's head and tail elements in float32 (-inf elsewhere)."""
-    p0, body = _body(s, N, k, ok, PIECE, VE, 4)
+def _load_row_piece(p_ptr, up, s, N, k, ok, pad, other, PIECE: tl.constexpr, VE: tl.constexpr, UV: tl.constexpr):
+    """Piece k of the row at element s of `p_ptr` (`ok` False: nothing): its whole vectors as loaded
+    through `up` (units, UV to a vector; `pad` elsewhere) and, for piece 0, the row's head and tail
+    elements in float32 (`other` elsewhere)."""
+    p0, body = _body(s, N, k, ok, PIECE, VE, UV)
     e, ends = _ends(s, N, k, ok, VE)
-    x = tl.load(xp + p0 + tl.arange(0, PIECE), mask=body, other=pad)
-    return x, tl.load(x_ptr + e, mask=ends, other=float("-inf")).to(tl.float32)
+    v = tl.load(up + p0 + tl.arange(0, PIECE), mask=body, other=pad)
+    return v, tl.load(p_ptr + e, mask=ends, other=other).to(tl.float32)
+
+
+@triton.jit
+def _store_row_piece(p_ptr, up, s, N, k, v, ve, PIECE: tl.constexpr, VE: tl.constexpr, UV: tl.constexpr):
+    """Store what `_load_row_piece` loads: piece k's whole vectors `v` through `up`, and for piece 0 the
+    row's head and tail elements `ve` (both already in the stored dtype)."""
+    p0, body = _body(s, N, k, True, PIECE, VE, UV)
+    tl.store(up + p0 + tl.arange(0, PIECE), v, mask=body)
+    e, ends = _ends(s, N, k, True, VE)
+    tl.store(p_ptr + e, ve, mask=ends)
 
 
 @triton.jit
@@ -815,9 +826,10 @@ def _fwd_coop_aligned_kernel(
     slot = pid // K
     k = pid - slot * K
     xp, yp, pad = _piece_pointers(x_ptr, y_ptr, PACK)
-    x, xe = _load_row_piece(x_ptr, xp, _row_start(slot, I, sx_o, sx_i), N, k, True, pad, PIECE, VE)
+    x, xe = _load_row_piece(x_ptr, xp, _row_start(slot, I, sx_o, sx_i), N, k, True, pad, float("-inf"), PIECE, VE, 4)
     nxt = slot + SLOTS
-    x_next, xe_next = _load_row_piece(x_ptr, xp, _row_start(nxt, I, sx_o, sx_i), N, k, nxt < R, pad, PIECE, VE)
+    x_next, xe_next = _load_row_piece(x_ptr, xp, _row_start(nxt, I, sx_o, sx_i), N, k, nxt < R, pad, float("-inf"),
+                                      PIECE, VE, 4)
     _reset_words(c_ptr, n_clear)  # (while the first loads are in flight)
     _publish_piece(w_ptr, slot * K + k, x, xe, PACK)
     for row in range(slot, R, SLOTS):
@@ -825,17 +837,14 @@ def _fwd_coop_aligned_kernel(
         x1, xe1 = x_next, xe_next
         after = nxt + SLOTS
         x_next, xe_next = _load_row_piece(x_ptr, xp, _row_start(after, I, sx_o, sx_i), N, k, after < R, pad,
-                                          PIECE, VE)
+                                          float("-inf"), PIECE, VE, 4)
         if nxt < R:
             _publish_piece(w_ptr, nxt * K + k, x1, xe1, PACK)
         pm, ps = _await_words(w_ptr, row * K, K, KB)
         M, S = _merge_lanes(pm, ps)
-        ys = _row_start(row, I, sy_o, sy_i)
-        p0, body = _body(ys, N, k, True, PIECE, VE, 4)
-        tl.store(yp + p0 + tl.arange(0, PIECE), _output_of(x, M, S, MODE, PACK, ASM, y_ptr.dtype.element_ty),
-                 mask=body)
-        e, ends = _ends(ys, N, k, True, VE)
-        tl.store(y_ptr + e, _output_of(xe, M, S, MODE, 0, ASM, y_ptr.dtype.element_ty), mask=ends)
+        out_ty = y_ptr.dtype.element_ty
+        _store_row_piece(y_ptr, yp, _row_start(row, I, sy_o, sy_i), N, k, _output_of(x, M, S, MODE, PACK, ASM, out_ty),
+                         _output_of(xe, M, S, MODE, 0, ASM, out_ty), PIECE, VE, 4)
         x, xe = x1, xe1
 
 
@@ -880,16 +889,6 @@ def _bwd_coop_kernel(
 
 
 @triton.jit
-def _load_bwd_piece(p_ptr, s, N, k, other, PIECE: tl.constexpr, VE: tl.constexpr):
-    """Piece k of the row at element s of y or g, as `_load_row_piece` but in float32 elements (the
-    backward's pieces are loaded as elements): its whole vectors, and for piece 0 the row's ends."""
-    p0, body = _body(s, N, k, True, PIECE, VE, VE)
-    e, ends = _ends(s, N, k, True, VE)
-    v = tl.load(p_ptr + p0 + tl.arange(0, PIECE), mask=body, other=other).to(tl.float32)
-    return v, tl.load(p_ptr + e, mask=ends, other=other).to(tl.float32)
-
-
-@triton.jit
 def _bwd_coop_aligned_kernel(
     y_ptr, g_ptr, dx_ptr, w_ptr, c_ptr, n_clear, R, SPAN, I, sy_o, sy_i, sg_o, sg_i, sd_o, sd_i, N, K, SLOTS,
     LOG: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, VE: tl.constexpr,
@@ -904,8 +903,11 @@ def _bwd_coop_aligned_kernel(
     _reset_words(c_ptr, n_clear)
     y_other = float("-inf") if LOG else 0.0
     for row in range(slot, R, SLOTS):
-        y, ye = _load_bwd_piece(y_ptr, _row_start(row, I, sy_o, sy_i), N, k, y_other, PIECE, VE)
-        g, ge = _load_bwd_piece(g_ptr, _row_start(row, I, sg_o, sg_i), N, k, 0.0, PIECE, VE)
+        # (the backward's pieces are elements: units of one element, VE to a vector)
+        y, ye = _load_row_piece(y_ptr, y_ptr, _row_start(row, I, sy_o, sy_i), N, k, True, y_other, y_other,
+                                PIECE, VE, VE)
+        g, ge = _load_row_piece(g_ptr, g_ptr, _row_start(row, I, sg_o, sg_i), N, k, True, 0.0, 0.0, PIECE, VE, VE)
+        y, g = y.to(tl.float32), g.to(tl.float32)
         if LOG:
             part = tl.sum(g, axis=0) + tl.sum(ge, axis=0)
         else:
@@ -919,11 +921,9 @@ def _bwd_coop_aligned_kernel(
         else:
             dx = y * (g - total)
             dxe = ye * (ge - total)
-        ds = _row_start(row, I, sd_o, sd_i)
-        p0, body = _body(ds, N, k, True, PIECE, VE, VE)
-        tl.store(dx_ptr + p0 + tl.arange(0, PIECE), dx.to(dx_ptr.dtype.element_ty), mask=body)
-        e, ends = _ends(ds, N, k, True, VE)
-        tl.store(dx_ptr + e, dxe.to(dx_ptr.dtype.element_ty), mask=ends)
+        out_ty = dx_ptr.dtype.element_ty
+        _store_row_piece(dx_ptr, dx_ptr, _row_start(row, I, sd_o, sd_i), N, k, dx.to(out_ty), dxe.to(out_ty),
+                         PIECE, VE, VE)
 
 
 @triton.jit
