@@ -1297,12 +1297,17 @@ def _coop_words(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tenso
 _COOP_CAP: dict[tuple, int] = {}
 
 
-def _aligned_rows(ts: tuple[torch.Tensor, ...], N: int, strides: tuple[tuple[int, int, int], ...]) -> bool:
+def _aligned_rows(ts: tuple[torch.Tensor, ...], N: int, strides: tuple[tuple[int, int, int], ...], short: bool) -> bool:
     """Whether the rows of `ts` (with their (outer, inner, column) strides) take the aligned cooperative
     kernels (`_fwd_coop_aligned_kernel`, `_bwd_coop_aligned_kernel`): they start or end off 16-byte
     boundaries, and their columns are contiguous, their base pointers 16-byte aligned and the rows of
-    every tensor at the offsets from the boundaries of the first's."""
-    if not TUNING["coop_aligned"] or any(st[2] != 1 for st in strides) or any(t.data_ptr() % 16 for t in ts):
+    every tensor at the offsets from the boundaries of the first's. Rows `short` enough for the row
+    kernels take them only from `aligned_min_cols` columns up."""
+    min_cols = int(TUNING["aligned_min_cols_16" if ts[0].element_size() <= 2 else "aligned_min_cols"])
+    # (the cheap test first: short rows are launch-bound, every us of host time shows)
+    if (short and N < min_cols) or not TUNING["coop_aligned"] or any(st[2] != 1 for st in strides):
+        return False
+    if any(t.data_ptr() % 16 for t in ts):
         return False
     vec = 16 // ts[0].element_size()  # elements in 16 bytes
     if any((a - b) % vec for st in strides[1:] for a, b in zip(st[:2], strides[0][:2])):
@@ -1372,9 +1377,7 @@ def softmax_forward(
     mode = _LOG_SOFTMAX if log else _SOFTMAX
     col64 = _col64(N, sx_n, sy_n)
     short = N <= int(TUNING["max_row_block_16" if x.element_size() <= 2 else "max_row_block"])
-    min_cols = int(TUNING["aligned_min_cols_16" if x.element_size() <= 2 else "aligned_min_cols"])
-    # (asked only where its answer is used: short rows are launch-bound, every us of host time shows)
-    aligned = (not short or N >= min_cols) and _aligned_rows((xm, ym), N, ((sx_o, sx_i, sx_n), (sy_o, sy_i, sy_n)))
+    aligned = _aligned_rows((xm, ym), N, ((sx_o, sx_i, sx_n), (sy_o, sy_i, sy_n)), short)
     words = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)  # 2-byte rows as words of two
     if aligned and _coop_launch(
         # SPAN: the units of a row's whole vectors, at most (4 per vector; a row inside one: a piece)
@@ -1503,10 +1506,9 @@ def softmax_backward(
         return _finish(dm, dim, target)
     col64 = _col64(N, sy_n, sg_n, sd_n)
     short = N <= int(TUNING["max_row_block_bwd"])
-    min_cols = int(TUNING["aligned_min_cols_16" if y.element_size() <= 2 else "aligned_min_cols"])
     strides = ((sy_o, sy_i, sy_n), (sg_o, sg_i, sg_n), (sd_o, sd_i, sd_n))
     ve = 16 // y.element_size()  # elements per 16-byte vector
-    if (not short or N >= min_cols) and _aligned_rows((ym, gm, dm), N, strides) and _coop_launch(
+    if _aligned_rows((ym, gm, dm), N, strides, short) and _coop_launch(
         # SPAN: the elements of a row's whole vectors, at most
         _bwd_coop_aligned_kernel, "bwd", (ym, gm, dm), R, max(1, N // ve * ve), I,
         (sy_o, sy_i, sg_o, sg_i, sd_o, sd_i, N), dict(LOG=log, VE=ve),
