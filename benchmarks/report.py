@@ -79,6 +79,25 @@ def lse_toolkit(d: dict) -> list[str]:
     return lines
 
 
+def error_growth(d: dict) -> list[str]:
+    env, shape = d["environment"], d["shape"]
+    w = shape["world"]
+    lines = [f"**Error growth with the world size** ({w}× {env['gpu']}, torch {env['torch']}; `{env['command']}`), "
+             f"{shape['dtype']}, S {shape['seqlen']}, {shape['heads']} heads × d {shape['head_dim']}, causal "
+             f"{shape['layout']}; error at W = {w} / error at W = 1 on the same inputs, range over seeds; RMS errors "
+             "averaged over seeds:", "",
+             f"| backend | kv heads | result | seeds | RMS error ratio | max error ratio | RMS error W = 1 → W = {w} | "
+             "every result within its bound |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in d["summary"]:
+        rs = [x for x in d["records"] if x["backend"] == r["backend"] and x["kv_heads"] == r["kv_heads"]]
+        one, many = (sum(x["errors"][k]["rms"][r["result"]] for x in rs) / len(rs) for k in ("W1", f"W{w}"))
+        lines.append(f"| {r['backend']} | {r['kv_heads']} | {r['result']} | {r['seeds']} | "
+                     f"{r['rms_ratio_min']:.3f}–{r['rms_ratio_max']:.3f} | {r['max_ratio_min']:.2f}–{r['max_ratio_max']:.2f} | "
+                     f"{one:.2e} → {many:.2e} | {'yes' if r['all_within_bound'] else 'no'} |")
+    return lines
+
+
 def generic(name: str, d: dict) -> list[str]:
     """Other result files report their own summary rows (merge, LSE toolkit)."""
     env = {k: d[k] for k in ("gpu", "torch", "triton", "command") if k in d}
@@ -107,6 +126,8 @@ def main() -> None:
             lines = ring(d)
         elif path.name.startswith("merge"):
             lines = merge(d)
+        elif path.name.startswith("error_growth"):
+            lines = error_growth(d)
         elif path.name.startswith("lse_toolkit"):
             lines = lse_toolkit(d)
         else:

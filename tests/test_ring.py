@@ -67,17 +67,16 @@ def test_shard_unshard_roundtrip(world, tmp_path):
 
 
 def test_error_does_not_grow_with_world_size(tmp_path):
-    """bf16: the ring's max error at W = 4 is at most 1.25x its error at W = 1 (same inputs)."""
+    """bf16: the ring's RMS error at W = 4 is at most 1.25x its error at W = 1 (same inputs)."""
     case = dict(b=1, s=64, h=4, hkv=2, d=64, dtype=torch.bfloat16, causal=True, layout="zigzag", seed=11)
-    w4 = run_ranks(rw.battery, 4, tmp_path, [case], timeout=300)[0][0]["max_err"]
-    w1 = rw.check_case(0, 1, case)["max_err"]
-    for name in rw.NAMES:
-        assert w4[name] <= 1.25 * w1[name] + 1e-6, f"{name}: W=4 {w4[name]:.3e} vs W=1 {w1[name]:.3e}"
+    w4 = run_ranks(rw.battery, 4, tmp_path, [case], timeout=300)[0][0]
+    bad = rw.growth_failures(w4, rw.check_case(0, 1, case), 4)
+    assert not bad, "\n".join(bad)
 
 
 def test_ring_single_process_without_distributed():
     """No process group: the ring is a single rank (W = 1)."""
-    q, k, v, dout, dlse = rw._full_inputs(1, 33, 3, 1, 24, torch.float64, seed=5)
+    q, k, v, dout, dlse = rw.random_inputs(1, 33, 3, 1, 24, torch.float64, seed=5)
     for causal in (False, True):
         ours = ring_with_grads(q, k, v, dout, dlse, causal=causal, layout="contiguous", backend="torch")
         ref = attention_with_grads(ringlse.reference_attention, q, k, v, dout, dlse, upcast=True,
@@ -135,13 +134,12 @@ def test_ring_with_gradient_parts_matches_reference(world, tmp_path):
 
 
 def test_gradient_parts_error_does_not_grow_with_world_size(tmp_path):
-    """bf16 dk/dv travelling as the kernels' bf16 outputs: W = 4 error at most 1.25x W = 1."""
+    """bf16 dk/dv travelling as the kernels' bf16 outputs: W = 4 RMS error at most 1.25x W = 1."""
     case = dict(b=1, s=128, h=4, hkv=4, d=64, dtype=torch.bfloat16, causal=True, layout="zigzag", seed=12,
                 backend="sdpa_cpu")
-    w4 = run_ranks(rw.battery, 4, tmp_path, [case], timeout=300)[0][0]["max_err"]
-    w1 = rw.check_case(0, 1, case)["max_err"]
-    for name in rw.NAMES:
-        assert w4[name] <= 1.25 * w1[name] + 1e-6, f"{name}: W=4 {w4[name]:.3e} vs W=1 {w1[name]:.3e}"
+    w4 = run_ranks(rw.battery, 4, tmp_path, [case], timeout=300)[0][0]
+    bad = rw.growth_failures(w4, rw.check_case(0, 1, case), 4)
+    assert not bad, "\n".join(bad)
 
 
 def test_ring_over_subgroups_maps_ranks(tmp_path):
