@@ -128,6 +128,12 @@ TUNING: dict[str, int | None] = {
     # forward) where a row is cut into fewer pieces (`_coop_plan`)
     "coop_min_fill": 0.85,
     "coop_min_pieces_fwd_16": 16,
+    # 2-byte logsumexp of rows off the boundaries through the aligned forward (its MODE 2) rather than
+    # element by element (H200, kernel alone, x a copy's bandwidth, eager / GPU time: bf16 16384 x 4097
+    # 0.36/0.37 -> 0.59/0.66, 65536 x 1025 0.31/0.32 -> 0.63/0.73, 1300 x 50257 0.45/0.52 -> 0.61/0.68;
+    # 4096 x 16383 0.49/0.57 -> 0.47/0.51). Float32 rows keep the row and chunk kernels: through the
+    # public function they measured slower this way (8192 x 8191: 7.1x -> 5.3x torch.logsumexp)
+    "aligned_lse": 1,
     # long rows in one launch, stats and normalising programs interleaved (`_fwd_lookback_kernel`,
     # `_bwd_lookback_kernel`; where the cooperative kernels do not apply): on/off, columns per program,
     # per chunk, warps, most pieces per row, bytes per group of rows. Off: since the cooperative
@@ -821,7 +827,9 @@ def _fwd_coop_aligned_kernel(
     words on one warp 255 registers uncapped, 184 in `_fwd_coop_kernel`).
 
     SPAN: the units (elements, or words when PACK) of a row's whole vectors at most, from which the
-    launcher cut K pieces of PIECE units; N: the row's elements; VE: elements per 16 bytes."""
+    launcher cut K pieces of PIECE units; N: the row's elements; VE: elements per 16 bytes. MODE 2
+    (logsumexp): y is the float32 lse, one per row, which piece 0 writes; the other pieces only
+    publish their words and never wait."""
     pid = tl.program_id(0)
     slot = pid // K
     k = pid - slot * K
@@ -840,11 +848,16 @@ def _fwd_coop_aligned_kernel(
                                           float("-inf"), PIECE, VE, 4)
         if nxt < R:
             _publish_piece(w_ptr, nxt * K + k, x1, xe1, PACK)
-        pm, ps = _await_words(w_ptr, row * K, K, KB)
-        M, S = _merge_lanes(pm, ps)
-        out_ty = y_ptr.dtype.element_ty
-        _store_row_piece(y_ptr, yp, _row_start(row, I, sy_o, sy_i), N, k, _output_of(x, M, S, MODE, PACK, ASM, out_ty),
-                         _output_of(xe, M, S, MODE, 0, ASM, out_ty), PIECE, VE, 4)
+        if MODE != 2 or k == 0:
+            pm, ps = _await_words(w_ptr, row * K, K, KB)
+            M, S = _merge_lanes(pm, ps)
+            if MODE == 2:  # logsumexp: y is the float32 lse, one per row, written by piece 0
+                tl.store(y_ptr + row, tl.where(M == float("-inf"), 0.0, M) + tl.log2(S) * LN2)
+            else:
+                out_ty = y_ptr.dtype.element_ty
+                _store_row_piece(y_ptr, yp, _row_start(row, I, sy_o, sy_i), N, k,
+                                 _output_of(x, M, S, MODE, PACK, ASM, out_ty), _output_of(xe, M, S, MODE, 0, ASM, out_ty),
+                                 PIECE, VE, 4)
         x, xe = x1, xe1
 
 
@@ -1454,7 +1467,16 @@ def logsumexp_forward(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | Non
     if N == 0:
         return lse.fill_(float("-inf"))
     col64 = _col64(N, sx_n)
-    if N <= int(TUNING["max_row_block"]):
+    short = N <= int(TUNING["max_row_block"])
+    words = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)
+    if words and TUNING["aligned_lse"] and _aligned_rows((xm,), N, ((sx_o, sx_i, sx_n),), short) and _coop_launch(
+        # rows off 16-byte boundaries, read in whole vectors as the forward reads them (its MODE 2)
+        _fwd_coop_aligned_kernel, "fwd", (xm, lse), R, max(1, N * x.element_size() // 16 * 4), I,
+        (sx_o, sx_i, 0, 0, N), dict(MODE=_LOGSUMEXP, PACK=words, ASM=os.environ.get("TRITON_INTERPRET") != "1", VE=8),
+        per=2,
+    ):
+        return lse
+    if short:
         block_r, block_n = _short_tile(R, N)
         launch(
             _fwd_rows_kernel, (cdiv(R, block_r),), xm, xm, lse, R, N, I, sx_o, sx_i, sx_n, 0, 0, 0,

@@ -397,7 +397,8 @@ def test_kernel_cooperative_layouts(kernels, monkeypatch, mode, dtype, shape, di
     contiguous columns off 16-byte boundaries in 16-byte vectors and their ends element by element
     (`_fwd_coop_aligned_kernel`, 2-byte rows as words of two; `_bwd_coop_aligned_kernel`), else
     2-byte rows as words where they are 4-byte aligned, else element by element (`_fwd_coop_kernel`,
-    `_bwd_coop_kernel`); -inf entries, all -inf rows, values x100, forward and backward."""
+    `_bwd_coop_kernel`); -inf entries, all -inf rows, values x100, forward and backward; and logsumexp,
+    which takes the aligned forward for 2-byte rows off the boundaries."""
     launched = []
     real_launch = kernels._coop_launch
 
@@ -436,6 +437,12 @@ def test_kernel_cooperative_layouts(kernels, monkeypatch, mode, dtype, shape, di
     want_bwd = "_bwd_coop_aligned_kernel" if off else "_bwd_coop_kernel"
     assert launched[0][1:] == want  # (the first launches: with the knobs as set)
     assert next(k[1] for k in launched if k[0] == "bwd") == want_bwd
+    if mode == "softmax":  # 2-byte logsumexp reads rows off the boundaries as the forward does (its MODE 2)
+        launched.clear()
+        for scale in (3.0, 100.0):
+            x = make_x(shape, dim, dtype, scale=scale, seed=29)[..., cut:]
+            judge_against("lse", kernel_forward(kernels, "logsumexp", x, dim), x, dim, "logsumexp", dtype)
+        assert [k[1:] for k in launched] == ([want] * 2 if kernel == "aligned" and pack else [])
 
 
 def test_cooperative_launch_refused_takes_fewer_rows_in_flight(kernels, monkeypatch):
