@@ -1056,8 +1056,9 @@ def _output_rows(
     """Row view of the output and its folding: the caller's `out` when its layout folds, else a fresh
     buffer shaped like the row view `like`; the third item is the `out` to copy into at the end."""
     if out is not None:
-        if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
-            raise ValueError(f"{what}: out must be {tuple(shape)} {dtype}, got {tuple(out.shape)} {out.dtype}")
+        if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != like.device:
+            raise ValueError(f"{what}: out must be {tuple(shape)} {dtype} on {like.device}, got {tuple(out.shape)} "
+                             f"{out.dtype} on {out.device}")
         om = _dim_last(out, dim)
         lay = _fold_rows(om)
         if lay is not None:
@@ -1459,8 +1460,9 @@ def logsumexp_forward(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | Non
     if out is None:
         lse = torch.empty(shape, dtype=torch.float32, device=device)
     else:
-        if tuple(out.shape) != tuple(shape) or out.dtype != torch.float32 or not out.is_contiguous():
-            raise ValueError(f"logsumexp: out must be contiguous float32 {tuple(shape)}")
+        if (tuple(out.shape) != tuple(shape) or out.dtype != torch.float32 or not out.is_contiguous()
+                or out.device != device):
+            raise ValueError(f"logsumexp: out must be contiguous float32 {tuple(shape)} on {device}")
         lse = out
     if R == 0:
         return lse

@@ -279,7 +279,7 @@ def kernel_forward(ks, mode, x, dim):
     """The launcher with a NaN-poisoned output, checking that the kernel wrote every element."""
     if mode == "logsumexp":
         shape = x.movedim(dim, -1).shape[:-1]
-        out = torch.full(shape, float("nan"), dtype=torch.float32)
+        out = torch.full(shape, float("nan"), dtype=torch.float32, device=x.device)
         y = ks.logsumexp_forward(x, dim, out=out)
         return y
     out = torch.full_like(x, float("nan"))
@@ -357,6 +357,20 @@ def test_kernel_non_foldable_layout_and_all_neginf(kernels):
     assert torch.all(kernels.softmax_forward(z, log=True) == NEG_INF)
     assert torch.all(kernels.logsumexp_forward(z) == NEG_INF)
     assert torch.all(kernels.logsumexp_backward(z, kernels.logsumexp_forward(z), torch.ones(2)) == 0)
+
+
+def test_kernel_out_checked_before_launch(kernels):
+    """An `out` of the wrong shape, dtype or device raises ValueError (a `meta` tensor stands for
+    another device), before any kernel reads a pointer."""
+    x = make_x((3, 40), -1, torch.float32, seed=10)
+    for bad in (torch.empty(3, 41), torch.empty(3, 40, dtype=torch.float16), torch.empty(3, 40, device="meta")):
+        with pytest.raises(ValueError, match="out must be"):
+            kernels.softmax_forward(x, out=bad)
+        with pytest.raises(ValueError, match="out must be"):
+            kernels.softmax_backward(x, x, out=bad)
+    for bad in (torch.empty(4), torch.empty(3, dtype=torch.float16), torch.empty(3, device="meta")):
+        with pytest.raises(ValueError, match="out must be"):
+            kernels.logsumexp_forward(x, out=bad)
 
 
 @pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
@@ -787,6 +801,30 @@ def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, pi
     assert ran == [True, True]
     assert not torch.isnan(dx).any()
     judge_against("dx", dx, x, dim, mode, dtype, g=g)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("piece,warps", [(512, 1), (2048, 2)], ids=lambda v: str(v))
+@pytest.mark.parametrize("rows,cols,dtype", [
+    pytest.param(300, 4097, torch.bfloat16, id="300x4097-bf16"),
+    pytest.param(65, 40001, torch.bfloat16, id="65x40001-bf16"),
+    pytest.param(100, 50257, torch.float16, id="100x50257-fp16"),
+])
+def test_gpu_logsumexp_aligned_pieces(monkeypatch, rows, cols, dtype, piece, warps):
+    """2-byte logsumexp of rows off the boundaries in the aligned forward (MODE 2), rows cut into
+    several pieces whose words piece 0 merges while the others go on; all -inf rows included."""
+    from ringlse.kernels import softmax as ks
+
+    for key, value in {"coop_min_rows": 1, "coop_max_pieces": 1 << 20, "coop_piece_fwd_16": piece,
+                       "coop_warps_fwd_16": warps, "coop_min_pieces_fwd_16": 0, "coop_min_fill": 0.0}.items():
+        monkeypatch.setitem(ks.TUNING, key, value)
+    ran = []
+    launch = ks._coop_launch
+    monkeypatch.setattr(ks, "_coop_launch", lambda *a, **k: ran.append((a[0].fn.__name__, launch(*a, **k))) or ran[-1][1])
+    x = make_x((rows, cols), -1, dtype, scale=3.0, seed=18, device="cuda")
+    lse = kernel_forward(ks, "logsumexp", x, -1)
+    assert ran == [("_fwd_coop_aligned_kernel", True)]
+    judge_against("lse", lse, x, -1, "logsumexp", dtype)
 
 
 @pytest.mark.gpu
