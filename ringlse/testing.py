@@ -77,7 +77,7 @@ class Verdict:
     max_err: float
     mean_err: float
     bound: float
-    rms_err: float = 0.0  # root mean square error: the statistic error growth is judged by (`error_growth`)
+    rms_err: float  # root mean square error: what growth with the world size is judged by (module docstring)
 
     @property
     def ok(self) -> bool:
