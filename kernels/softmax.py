@@ -33,6 +33,8 @@ Three row regimes, chosen by `_plan`:
   loads Triton narrows to the rows' alignment, take kernels whose pieces hold the row's whole 16-byte
   vectors and whose piece 0 reads and writes the few elements at the row's ends one by one
   (`_fwd_coop_aligned_kernel`, `_bwd_coop_aligned_kernel`; H200, bf16 1300 x 50257: 0.56 -> 0.78x copy).
+  2-byte logsumexp of such rows runs the aligned forward without its output (MODE 2: piece 0 writes
+  the lse; H200, bf16 16384 x 4097: 3.90 -> 6.45x `torch.logsumexp`).
 
 All arithmetic is float32 whatever the input dtype (fp32/bf16/fp16), outputs are in the input dtype.
 An all `-inf` row gives softmax 0, log_softmax `-inf`, logsumexp `-inf`, and no NaN anywhere, forward
