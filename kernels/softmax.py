@@ -1333,6 +1333,19 @@ def _aligned_rows(ts: tuple[torch.Tensor, ...], N: int, strides: tuple[tuple[int
     return not (strides[0][0] % vec == 0 and strides[0][1] % vec == 0 and N % vec == 0)
 
 
+def _aligned_forward(xm: torch.Tensor, y: torch.Tensor, R: int, N: int, I: int, strides: tuple, mode: int) -> bool:
+    """`_fwd_coop_aligned_kernel` over rows `_aligned_rows` accepted (`_coop_launch`; False: take another
+    path): y is the output rows (strides (sx_o, sx_i, sy_o, sy_i)), or for logsumexp (MODE 2) the float32
+    lse. 2-byte rows are read as words of two."""
+    words = {torch.bfloat16: 1, torch.float16: 2}.get(xm.dtype, 0)
+    return _coop_launch(
+        # SPAN: the units of a row's whole vectors, at most (4 per vector; a row inside one: a piece)
+        _fwd_coop_aligned_kernel, "fwd", (xm, y), R, max(1, N * xm.element_size() // 16 * 4), I, (*strides, N),
+        dict(MODE=mode, PACK=words, ASM=os.environ.get("TRITON_INTERPRET") != "1", VE=16 // xm.element_size()),
+        per=2 if words else 1,
+    )
+
+
 def _pair_pack(xm: torch.Tensor, ym: torch.Tensor, N: int, row_strides: tuple, col_strides: tuple) -> int:
     """PACK for the cooperative forward: 1 (bf16) or 2 (fp16) where x and y can be read and written as
     int32 words of two elements (contiguous rows of even length, even row strides, 4-byte aligned),
@@ -1394,14 +1407,7 @@ def softmax_forward(
     col64 = _col64(N, sx_n, sy_n)
     short = N <= int(TUNING["max_row_block_16" if x.element_size() <= 2 else "max_row_block"])
     aligned = _aligned_rows((xm, ym), N, ((sx_o, sx_i, sx_n), (sy_o, sy_i, sy_n)), short)
-    words = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)  # 2-byte rows as words of two
-    if aligned and _coop_launch(
-        # SPAN: the units of a row's whole vectors, at most (4 per vector; a row inside one: a piece)
-        _fwd_coop_aligned_kernel, "fwd", (xm, ym), R, max(1, N * x.element_size() // 16 * 4), I,
-        (sx_o, sx_i, sy_o, sy_i, N),
-        dict(MODE=mode, PACK=words, ASM=os.environ.get("TRITON_INTERPRET") != "1", VE=16 // x.element_size()),
-        per=2 if words else 1,
-    ):
+    if aligned and _aligned_forward(xm, ym, R, N, I, (sx_o, sx_i, sy_o, sy_i), mode):
         pass
     elif short:
         block_r, block_n = _short_tile(R, N)
@@ -1472,13 +1478,9 @@ def logsumexp_forward(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | Non
         return lse.fill_(float("-inf"))
     col64 = _col64(N, sx_n)
     short = N <= int(TUNING["max_row_block"])
-    words = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)
-    if words and TUNING["aligned_lse"] and _aligned_rows((xm,), N, ((sx_o, sx_i, sx_n),), short) and _coop_launch(
-        # rows off 16-byte boundaries, read in whole vectors as the forward reads them (its MODE 2)
-        _fwd_coop_aligned_kernel, "fwd", (xm, lse), R, max(1, N * x.element_size() // 16 * 4), I,
-        (sx_o, sx_i, 0, 0, N), dict(MODE=_LOGSUMEXP, PACK=words, ASM=os.environ.get("TRITON_INTERPRET") != "1", VE=8),
-        per=2,
-    ):
+    # 2-byte rows off 16-byte boundaries: in whole vectors, as the forward reads them (its MODE 2)
+    if (x.element_size() == 2 and TUNING["aligned_lse"] and _aligned_rows((xm,), N, ((sx_o, sx_i, sx_n),), short)
+            and _aligned_forward(xm, lse, R, N, I, (sx_o, sx_i, 0, 0), _LOGSUMEXP)):
         return lse
     if short:
         block_r, block_n = _short_tile(R, N)
