@@ -74,7 +74,7 @@ EXTRA = [(4, 1 << 20, torch.float32), (8, 131072, torch.float32), (16384, 4096, 
          (32, 1 << 21, torch.float32),
          # rows off 16-byte boundaries (odd lengths; 50257: GPT-2's vocabulary)
          (1300, 50257, torch.float32), (1300, 50257, torch.bfloat16), (16384, 4097, torch.float32),
-         (16384, 4097, torch.bfloat16)]
+         (16384, 4097, torch.bfloat16), (4096, 16383, torch.bfloat16)]
 LOG_BMM = [(8, 1024, 1024, 1024), (8, 512, 512, 512), (4, 256, 256, 256), (2, 97, 1000, 130)]
 
 
@@ -200,7 +200,7 @@ def family_case(rows: int, cols: int, dtype: torch.dtype, copy: float) -> list[d
 
 def _time_knobs(knobs: dict, cases: list[tuple[int, int]], what: str, dtype: torch.dtype = torch.float32) -> dict:
     """GPU ms (`graph_ms`) of `what` (fwd: softmax forward; bwd: softmax backward; both: their sum;
-    lse: logsumexp forward) per `dtype` case under `knobs`, restoring the tuning afterwards. GPU time,
+    lse: logsumexp forward; fwd+lse: softmax and logsumexp forward) per `dtype` case under `knobs`, restoring the tuning afterwards. GPU time,
     not eager time: a small case's eager time can be its host time, and one slow host call once
     picked the wrong chunk size for every few-row launch (4x1M: 19 -> 49 us in one sweep)."""
     saved = dict(ks.TUNING)
@@ -212,10 +212,13 @@ def _time_knobs(knobs: dict, cases: list[tuple[int, int]], what: str, dtype: tor
             n_copies = min(16, -(-100_000_000 // (rows * cols * dtype.itemsize)))
             xs = [torch.randn(rows, cols, device="cuda", dtype=dtype) * 3 for _ in range(n_copies)]
             fwd = [lambda x=x: ks.softmax_forward(x) for x in xs]
+            lse = [lambda x=x: ks.logsumexp_forward(x) for x in xs]
             if what == "lse":
-                ms = graph_ms([lambda x=x: ks.logsumexp_forward(x) for x in xs])
+                ms = graph_ms(lse)
             elif what == "fwd":
                 ms = graph_ms(fwd)
+            elif what == "fwd+lse":
+                ms = graph_ms(fwd) + graph_ms(lse)
             else:
                 ys = [ks.softmax_forward(x) for x in xs]
                 ms = graph_ms([lambda y=y, g=torch.randn_like(y): ks.softmax_backward(y, g) for y in ys])
@@ -270,13 +273,18 @@ def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
               for p, w, r in ((4096, 4, 128), (8192, 8, 128), (4096, 4, None))],
              coop_cases[2:], "fwd")
         # 2-byte rows, read as pairs: the register cap sets how many programs an SM holds. Rows off
-        # 16-byte boundaries too, short and long: the knobs serve them as well, and variants that tie
-        # on the first two cases differ there (H200, bf16 16384 x 4097: 0.69x copy with 1024/1/96, 0.78x
-        # with 2048/1/168, which had tied)
+        # 16-byte boundaries too (too long for the row kernels), softmax and logsumexp (its MODE 2): the
+        # knobs serve them as well, and variants that tie on the first two cases differ there (H200,
+        # bf16 16384 x 4097, then in these kernels: 0.69x copy with 1024/1/96, 0.78x with 2048/1/168,
+        # which had tied; timed on the softmax alone, 1024/1/96 once won by 1% and took bf16 1300 x 50257
+        # logsumexp from 0.69x to 0.49x half a copy in GPU time)
         pick("cooperative long rows (fwd, bf16)",
              [{"coop_piece_fwd_16": p, "coop_warps_fwd_16": w, "coop_maxnreg_fwd_16": r}
               for p, w, r in ((2048, 1, 168), (2048, 1, None), (1024, 1, 96), (4096, 2, 168))],
-             coop_cases[:2] + [(TOTAL // 4097, 4097), (TOTAL // 50257, 50257)], "fwd", torch.bfloat16)
+             coop_cases[:2] + [(TOTAL // 32767, 32767), (TOTAL // 50257, 50257)], "fwd+lse", torch.bfloat16)
+        # short rows off the boundaries: one per program, or cut into the cooperative pieces above
+        pick("aligned short rows (fwd, bf16)", [{"aligned_rows": 0}, {"aligned_rows": 1}],
+             [(TOTAL // n, n) for n in (1025, 4097, 8191, 16383)], "fwd", torch.bfloat16)
     long_fwd = coop_cases + [(4, 1 << 20), (8, 131072)]
     pick("look-back long rows (fwd)",
          [{"lookback_fwd": 0}] + [{"lookback_fwd": 1, "lb_piece": p, "lb_block": b, "lb_warps": w, "lb_group_bytes": g}

@@ -7,7 +7,11 @@ copy (only layouts that fold into more than two groups are copied). Row `r` = `o
 
 Three row regimes, chosen by `_plan`:
 - short and medium rows (`N <= TUNING["max_row_block"]`): a program holds `BLOCK_R` whole rows in
-  registers: one read, one write, the exact max before a single `exp` per element;
+  registers: one read, one write, the exact max before a single `exp` per element; rows of contiguous
+  columns that start or end off 16-byte boundaries (odd lengths), whose loads Triton narrows to what it
+  can prove of the rows' alignment (one element for odd lengths), take one row per program read in
+  whole 16-byte vectors, the few elements at its ends one by one (`_fwd_rows_aligned_kernel`; H200,
+  bf16 16380 x 4097: 0.78x copy bandwidth cut into cooperative pieces, 0.90x);
 - long rows, many of them: one program per row, two passes over the row: pass 1 keeps a running max and
   rescaled sum per lane (one read, no block-wide reduction inside the loop), pass 2 normalises and
   writes, walking the row backwards so that the chunks pass 1 read last are re-read while still in L2;
@@ -123,7 +127,8 @@ TUNING: dict[str, int | None] = {
     # rows off the boundaries with at least this many columns take them even when short enough for the
     # row kernels, whose loads narrow the same way (H200, x the same tensor's copy: float32 16384 x 4097
     # 0.70 -> 0.92x, 4096 x 16383 0.72 -> 0.92x, but 32768 x 2049 0.90 -> 0.87x; bf16 65536 x 1025
-    # 0.58 -> 0.87x, 16384 x 4097 0.43 -> 0.83x, but 131072 x 513 0.65 -> 0.53x)
+    # 0.58 -> 0.87x, 16384 x 4097 0.43 -> 0.83x, but 131072 x 513 0.65 -> 0.53x); since
+    # `aligned_rows`, only the backward (and the forward with `aligned_rows` off)
     "aligned_min_cols": 4096,
     "aligned_min_cols_16": 1024,
     # the cooperative kernels' pieces halved where a row would fill them less than this, or (2-byte
@@ -136,6 +141,15 @@ TUNING: dict[str, int | None] = {
     # 4096 x 16383 0.49/0.57 -> 0.47/0.51). Float32 rows keep the row and chunk kernels: through the
     # public function they measured slower this way (8192 x 8191: 7.1x -> 5.3x torch.logsumexp)
     "aligned_lse": 1,
+    # forward and logsumexp of rows off the boundaries short enough for registers (`max_row_block*`),
+    # from `aligned_rows_min_cols` columns up: one row per program, the whole row in registers
+    # (`_fwd_rows_aligned_kernel`), rather than cut into cooperative pieces (H200, softmax, x a copy's
+    # bandwidth, eager: bf16 16380 x 4097 0.78 -> 0.90, 65472 x 1025 0.80 -> 0.90, 8193 x 8191
+    # 0.76 -> 0.88; float32 16380 x 4097 0.90 -> 0.93; float32 logsumexp 16380 x 4097 0.70 -> 0.87 of
+    # half a copy; bf16 rows of 257: 0.52 element by element, 0.39 here)
+    "aligned_rows": 1,
+    "aligned_rows_min_cols": 512,
+    "aligned_rows_warps": None,  # None: ~32 elements a thread (`_aligned_forward`)
     # long rows in one launch, stats and normalising programs interleaved (`_fwd_lookback_kernel`,
     # `_bwd_lookback_kernel`; where the cooperative kernels do not apply): on/off, columns per program,
     # per chunk, warps, most pieces per row, bytes per group of rows. Off: since the cooperative
@@ -864,6 +878,40 @@ def _fwd_coop_aligned_kernel(
 
 
 @triton.jit
+def _fwd_rows_aligned_kernel(
+    x_ptr, y_ptr, I, sx_o, sx_i, sy_o, sy_i, N,
+    MODE: tl.constexpr, BLOCK: tl.constexpr, VE: tl.constexpr,
+):
+    """`_fwd_rows_kernel` for rows of contiguous columns off 16-byte boundaries, one row per program:
+    the row's whole 16-byte vectors (BLOCK elements from its first boundary, `_body`) loaded and stored
+    at full width, its head and tail elements one by one (`_ends`), as `_fwd_coop_aligned_kernel` reads
+    them, but with the whole row in this program's registers: no word to publish or wait for, the
+    exact max before one exp per element (the cooperative form, which keeps only x, takes two).
+    Needs what the aligned cooperative kernels need (`_aligned_rows`). MODE 2 (logsumexp): y is the
+    float32 lse, one per row."""
+    row = tl.program_id(0)
+    x, xe = _load_row_piece(x_ptr, x_ptr, _row_start(row, I, sx_o, sx_i), N, 0, True, float("-inf"),
+                            float("-inf"), BLOCK, VE, VE)
+    x = x.to(tl.float32)
+    M = tl.maximum(tl.max(x, axis=0), tl.max(xe, axis=0))
+    M_safe = tl.where(M == float("-inf"), 0.0, M)  # all -inf row: exps 0, sum 0, lse -inf
+    e = tl.exp2((x - M_safe) * LOG2E)
+    ee = tl.exp2((xe - M_safe) * LOG2E)
+    S = tl.sum(e, axis=0) + tl.sum(ee, axis=0)
+    if MODE == 2:
+        tl.store(y_ptr + row, M_safe + tl.log2(S) * LN2)
+    else:
+        if MODE == 0:
+            inv = tl.where(S > 0.0, 1.0 / S, 0.0)
+            y, ye = e * inv, ee * inv
+        else:
+            lse = tl.where(S > 0.0, M_safe + tl.log2(S) * LN2, 0.0)  # all -inf row stays -inf, not NaN
+            y, ye = x - lse, xe - lse
+        ty = y_ptr.dtype.element_ty
+        _store_row_piece(y_ptr, y_ptr, _row_start(row, I, sy_o, sy_i), N, 0, y.to(ty), ye.to(ty), BLOCK, VE, VE)
+
+
+@triton.jit
 def _bwd_coop_kernel(
     y_ptr, g_ptr, dx_ptr, w_ptr, c_ptr, n_clear, R, N, I,
     sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n, K, SLOTS,
@@ -1313,13 +1361,18 @@ def _coop_words(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tenso
 _COOP_CAP: dict[tuple, int] = {}
 
 
-def _aligned_rows(ts: tuple[torch.Tensor, ...], N: int, strides: tuple[tuple[int, int, int], ...], short: bool) -> bool:
-    """Whether the rows of `ts` (with their (outer, inner, column) strides) take the aligned cooperative
-    kernels (`_fwd_coop_aligned_kernel`, `_bwd_coop_aligned_kernel`): they start or end off 16-byte
+def _aligned_rows(ts: tuple[torch.Tensor, ...], N: int, strides: tuple[tuple[int, int, int], ...], short: bool,
+                  which: str) -> bool:
+    """Whether the rows of `ts` (with their (outer, inner, column) strides) take the aligned kernels of
+    `which` ("fwd": `_fwd_rows_aligned_kernel` for rows `short` enough for registers, else
+    `_fwd_coop_aligned_kernel`; "bwd": `_bwd_coop_aligned_kernel`): they start or end off 16-byte
     boundaries, and their columns are contiguous, their base pointers 16-byte aligned and the rows of
     every tensor at the offsets from the boundaries of the first's. Rows `short` enough for the row
-    kernels take them only from `aligned_min_cols` columns up."""
-    min_cols = int(TUNING["aligned_min_cols_16" if ts[0].element_size() <= 2 else "aligned_min_cols"])
+    kernels take them only from `aligned_rows_min_cols` (forward) or `aligned_min_cols` columns up."""
+    if which == "fwd" and TUNING["aligned_rows"]:
+        min_cols = int(TUNING["aligned_rows_min_cols"])
+    else:
+        min_cols = int(TUNING["aligned_min_cols_16" if ts[0].element_size() <= 2 else "aligned_min_cols"])
     # (the cheap test first: short rows are launch-bound, every us of host time shows)
     if (short and N < min_cols) or not TUNING["coop_aligned"] or any(st[2] != 1 for st in strides):
         return False
@@ -1333,15 +1386,26 @@ def _aligned_rows(ts: tuple[torch.Tensor, ...], N: int, strides: tuple[tuple[int
     return not (strides[0][0] % vec == 0 and strides[0][1] % vec == 0 and N % vec == 0)
 
 
-def _aligned_forward(xm: torch.Tensor, y: torch.Tensor, R: int, N: int, I: int, strides: tuple, mode: int) -> bool:
-    """`_fwd_coop_aligned_kernel` over rows `_aligned_rows` accepted (`_coop_launch`; False: take another
-    path): y is the output rows (strides (sx_o, sx_i, sy_o, sy_i)), or for logsumexp (MODE 2) the float32
-    lse. 2-byte rows are read as words of two."""
+def _aligned_forward(xm: torch.Tensor, y: torch.Tensor, R: int, N: int, I: int, strides: tuple, mode: int,
+                     short: bool) -> bool:
+    """The aligned forward over rows `_aligned_rows` accepted (False: take another path): rows `short`
+    enough for registers one per program (`_fwd_rows_aligned_kernel`, knob `aligned_rows`), else
+    `_fwd_coop_aligned_kernel` (`_coop_launch`), 2-byte rows as words of two. y is the output rows
+    (strides (sx_o, sx_i, sy_o, sy_i)), or for logsumexp (MODE 2) the float32 lse."""
+    ve = 16 // xm.element_size()  # elements per 16-byte vector
+    if short and TUNING["aligned_rows"]:
+        block = max(ve, next_power_of_2(N // ve * ve))  # (a row's whole vectors span at most this)
+        # ~32 elements a thread: fewer warps than the row kernels take (H200, bf16 16380 x 4097, x a
+        # copy's bandwidth, eager: 4 warps 0.90, 16 warps 0.67; float32 2048 x 32767: 32 warps 0.91)
+        warps = TUNING["aligned_rows_warps"] or max(2, min(32, block // 1024))
+        launch(_fwd_rows_aligned_kernel, (R,), xm, y, I, *strides, N, MODE=mode, BLOCK=block, VE=ve,
+               num_warps=int(warps))
+        return True
     words = {torch.bfloat16: 1, torch.float16: 2}.get(xm.dtype, 0)
     return _coop_launch(
         # SPAN: the units of a row's whole vectors, at most (4 per vector; a row inside one: a piece)
         _fwd_coop_aligned_kernel, "fwd", (xm, y), R, max(1, N * xm.element_size() // 16 * 4), I, (*strides, N),
-        dict(MODE=mode, PACK=words, ASM=os.environ.get("TRITON_INTERPRET") != "1", VE=16 // xm.element_size()),
+        dict(MODE=mode, PACK=words, ASM=os.environ.get("TRITON_INTERPRET") != "1", VE=ve),
         per=2 if words else 1,
     )
 
@@ -1406,8 +1470,8 @@ def softmax_forward(
     mode = _LOG_SOFTMAX if log else _SOFTMAX
     col64 = _col64(N, sx_n, sy_n)
     short = N <= int(TUNING["max_row_block_16" if x.element_size() <= 2 else "max_row_block"])
-    aligned = _aligned_rows((xm, ym), N, ((sx_o, sx_i, sx_n), (sy_o, sy_i, sy_n)), short)
-    if aligned and _aligned_forward(xm, ym, R, N, I, (sx_o, sx_i, sy_o, sy_i), mode):
+    aligned = _aligned_rows((xm, ym), N, ((sx_o, sx_i, sx_n), (sy_o, sy_i, sy_n)), short, "fwd")
+    if aligned and _aligned_forward(xm, ym, R, N, I, (sx_o, sx_i, sy_o, sy_i), mode, short):
         pass
     elif short:
         block_r, block_n = _short_tile(R, N)
@@ -1478,9 +1542,11 @@ def logsumexp_forward(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | Non
         return lse.fill_(float("-inf"))
     col64 = _col64(N, sx_n)
     short = N <= int(TUNING["max_row_block"])
-    # 2-byte rows off 16-byte boundaries: in whole vectors, as the forward reads them (its MODE 2)
-    if (x.element_size() == 2 and TUNING["aligned_lse"] and _aligned_rows((xm,), N, ((sx_o, sx_i, sx_n),), short)
-            and _aligned_forward(xm, lse, R, N, I, (sx_o, sx_i, 0, 0), _LOGSUMEXP)):
+    # rows off 16-byte boundaries in whole vectors, as the forward reads them (its MODE 2): short rows
+    # one per program, 2-byte rows of any length in the cooperative pieces
+    if ((short and TUNING["aligned_rows"] or x.element_size() == 2 and TUNING["aligned_lse"])
+            and _aligned_rows((xm,), N, ((sx_o, sx_i, sx_n),), short, "fwd")
+            and _aligned_forward(xm, lse, R, N, I, (sx_o, sx_i, 0, 0), _LOGSUMEXP, short)):
         return lse
     if short:
         block_r, block_n = _short_tile(R, N)
@@ -1536,7 +1602,7 @@ def softmax_backward(
     short = N <= int(TUNING["max_row_block_bwd"])
     strides = ((sy_o, sy_i, sy_n), (sg_o, sg_i, sg_n), (sd_o, sd_i, sd_n))
     ve = 16 // y.element_size()  # elements per 16-byte vector
-    if _aligned_rows((ym, gm, dm), N, strides, short) and _coop_launch(
+    if _aligned_rows((ym, gm, dm), N, strides, short, "bwd") and _coop_launch(
         # SPAN: the elements of a row's whole vectors, at most
         _bwd_coop_aligned_kernel, "bwd", (ym, gm, dm), R, max(1, N // ve * ve), I,
         (sy_o, sy_i, sg_o, sg_i, sd_o, sd_i, N), dict(LOG=log, VE=ve),

@@ -459,6 +459,44 @@ def test_kernel_cooperative_layouts(kernels, monkeypatch, mode, dtype, shape, di
         assert [k[1:] for k in launched] == ([want] * 2 if kernel == "aligned" and pack else [])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    "shape, cut, aligned",
+    [
+        pytest.param((9, 46), 0, True, id="9x46"),
+        pytest.param((3, 4, 98), 0, True, id="3x4x98"),  # rows fold into (outer, inner) strides
+        pytest.param((9, 45), 0, True, id="odd-9x45"),  # rows start anywhere
+        pytest.param((4, 1025), 0, True, id="4x1025"),
+        # rows of 46 every 47 elements: the output's rows (46 apart) sit elsewhere from the boundaries
+        pytest.param((9, 47), -1, "lse", id="end1-9x46"),
+        pytest.param((11, 7), 0, True, id="tiny-11x7"),  # one whole vector at most, or none
+        pytest.param((5, 64), 0, False, id="5x64"),  # on the boundaries: the row kernel loads as wide
+        pytest.param((9, 47), 1, False, id="cut1-9x46"),  # base off 16 bytes: element by element
+    ],
+)
+@pytest.mark.parametrize("mode", MODES)
+def test_kernel_aligned_rows(kernels, monkeypatch, mode, dtype, shape, cut, aligned):
+    """Short rows off 16-byte boundaries, one per program, in 16-byte vectors and their ends element by
+    element (`_fwd_rows_aligned_kernel`), under the interpreter: -inf entries, all -inf rows, values
+    x100; rows on the boundaries, or with a base pointer off them, keep the row kernel."""
+    launched = []
+    real_launch = kernels.launch
+
+    def spy(kern, grid, *args, **consts):
+        launched.append(kern.fn.__name__)
+        return real_launch(kern, grid, *args, **consts)
+
+    monkeypatch.setattr(kernels, "launch", spy)
+    monkeypatch.setitem(kernels.TUNING, "aligned_rows_min_cols", 1)  # (the small rows take it too)
+    for scale in (3.0, 100.0):
+        x = make_x(shape, -1, dtype, scale=scale, seed=31)
+        x = x[..., cut:] if cut >= 0 else x[..., :cut]
+        judge_against("fwd", kernel_forward(kernels, mode, x, -1), x, -1, mode, dtype)
+    aligned = aligned is True or (aligned == "lse" and mode == "logsumexp")
+    want = "_fwd_rows_aligned_kernel" if aligned else "_fwd_rows_kernel"
+    assert launched == [want, want]
+
+
 def test_cooperative_launch_refused_takes_fewer_rows_in_flight(kernels, monkeypatch):
     """If the driver refuses a cooperative grid as too large, the launcher halves the rows in flight
     (remembering it) and, at zero, lets the caller take another path; other errors propagate."""
@@ -717,9 +755,10 @@ GPU_CASES = [  # rows, cols, dtypes: every size in bf16, a spread in fp32 and fp
     (33, 97, (BF16, FP16, FP32)),
     (2000, 300, (FP32,)),  # many short rows: several rows per program in a small tile
     (16, 4097, (BF16, FP32)),
-    # rows off 16-byte boundaries, enough of them for the cooperative kernels: in 16-byte vectors
-    (257, 1025, (BF16,)),  # one piece per row
-    (100, 4097, (BF16, FP16, FP32)),  # a few pieces (halved for 2-byte rows)
+    # rows off 16-byte boundaries: in 16-byte vectors, one row per program (`_fwd_rows_aligned_kernel`),
+    # the backward's cooperative pieces
+    (257, 1025, (BF16,)),
+    (100, 4097, (BF16, FP16, FP32)),
     (8, 16384, (BF16,)),
     (300, 20000, (BF16, FP32)),  # long rows, one program per row (two passes)
     (3, 131072, (BF16, FP16)),  # long rows split over programs
@@ -815,7 +854,7 @@ def test_gpu_logsumexp_aligned_pieces(monkeypatch, rows, cols, dtype, piece, war
     several pieces whose words piece 0 merges while the others go on; all -inf rows included."""
     from ringlse.kernels import softmax as ks
 
-    for key, value in {"coop_min_rows": 1, "coop_max_pieces": 1 << 20, "coop_piece_fwd_16": piece,
+    for key, value in {"aligned_rows": 0, "coop_min_rows": 1, "coop_max_pieces": 1 << 20, "coop_piece_fwd_16": piece,
                        "coop_warps_fwd_16": warps, "coop_min_pieces_fwd_16": 0, "coop_min_fill": 0.0}.items():
         monkeypatch.setitem(ks.TUNING, key, value)
     ran = []
@@ -825,6 +864,28 @@ def test_gpu_logsumexp_aligned_pieces(monkeypatch, rows, cols, dtype, piece, war
     lse = kernel_forward(ks, "logsumexp", x, -1)
     assert ran == [("_fwd_coop_aligned_kernel", True)]
     judge_against("lse", lse, x, -1, "logsumexp", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows,cols,dtype", [
+    pytest.param(1000, 513, torch.bfloat16, id="1000x513-bf16"),
+    pytest.param(300, 4097, torch.float16, id="300x4097-fp16"),
+    pytest.param(64, 16383, torch.bfloat16, id="64x16383-bf16"),  # the widest 2-byte block
+    pytest.param(33, 32767, torch.float32, id="33x32767-fp32"),  # the widest block
+])
+def test_gpu_aligned_rows(monkeypatch, rows, cols, dtype, mode):
+    """Short rows off 16-byte boundaries compiled, one per program in 16-byte vectors
+    (`_fwd_rows_aligned_kernel`): every width of block the launcher picks up to the row kernels'
+    limits, all -inf rows included."""
+    from ringlse.kernels import softmax as ks
+
+    ran = []
+    launch = ks.launch
+    monkeypatch.setattr(ks, "launch", lambda kern, *a, **k: ran.append(kern.fn.__name__) or launch(kern, *a, **k))
+    x = make_x((rows, cols), -1, dtype, scale=3.0, seed=19, device="cuda")
+    judge_against("fwd", kernel_forward(ks, mode, x, -1), x, -1, mode, dtype)
+    assert ran == ["_fwd_rows_aligned_kernel"]
 
 
 @pytest.mark.gpu
