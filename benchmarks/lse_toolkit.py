@@ -280,7 +280,7 @@ def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
         # logsumexp from 0.69x to 0.49x half a copy in GPU time)
         pick("cooperative long rows (fwd, bf16)",
              [{"coop_piece_fwd_16": p, "coop_warps_fwd_16": w, "coop_maxnreg_fwd_16": r}
-              for p, w, r in ((2048, 1, 168), (2048, 1, None), (1024, 1, 96), (4096, 2, 168))],
+              for p, w, r in ((2048, 1, 168), (2048, 1, 128), (2048, 1, None), (1024, 1, 96), (4096, 2, 168))],
              coop_cases[:2] + [(TOTAL // 32767, 32767), (TOTAL // 50257, 50257)], "fwd+lse", torch.bfloat16)
         # short rows off the boundaries: one per program, or cut into the cooperative pieces above
         pick("aligned short rows (fwd, bf16)", [{"aligned_rows": 0}, {"aligned_rows": 1}],
