@@ -19,6 +19,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ringlse import lse_toolkit as lt
 from ringlse.reference import masked_softmax_and_lse
@@ -495,6 +497,40 @@ def test_kernel_aligned_rows(kernels, monkeypatch, mode, dtype, shape, cut, alig
     aligned = aligned is True or (aligned == "lse" and mode == "logsumexp")
     want = "_fwd_rows_aligned_kernel" if aligned else "_fwd_rows_kernel"
     assert launched == [want, want]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_kernel_aligned_rows_any_length_and_stride(data):
+    """`_fwd_rows_aligned_kernel` under the interpreter on drawn row counts, lengths (1-200) and row
+    strides (rows start anywhere), x and the output alike strided: values against float64; rows whose
+    length leaves them off the 16-byte boundaries must take it."""
+    from ringlse.kernels import softmax as ks
+
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), "dtype")
+    mode = data.draw(st.sampled_from(MODES), "mode")
+    rows, cols = data.draw(st.integers(1, 5), "rows"), data.draw(st.integers(1, 200), "cols")
+    gap = data.draw(st.integers(0, 9), "gap")  # row stride = cols + gap
+    x = make_x((rows, cols + gap), -1, dtype, scale=data.draw(st.sampled_from([1.0, 30.0]), "scale"),
+               seed=data.draw(st.integers(0, 1 << 16), "seed"))[:, :cols]
+    launched = []
+    real_launch, saved = ks.launch, dict(ks.TUNING)
+    ks.launch = lambda kern, grid, *a, **k: launched.append(kern.fn.__name__) or real_launch(kern, grid, *a, **k)
+    ks.TUNING["aligned_rows_min_cols"] = 1
+    try:
+        if mode == "logsumexp":
+            y = ks.logsumexp_forward(x)
+        else:
+            out = torch.full((rows, cols + gap), float("nan"), dtype=dtype)[:, :cols]
+            y = ks.softmax_forward(x, log=mode == "log_softmax", out=out)
+            assert y.data_ptr() == out.data_ptr()  # written in place, through the same strides
+    finally:
+        ks.launch = real_launch
+        ks.TUNING.clear()
+        ks.TUNING.update(saved)
+    judge_against("fwd", y, x, -1, mode, dtype)
+    if cols * x.element_size() % 16:
+        assert launched == ["_fwd_rows_aligned_kernel"]
 
 
 def test_cooperative_launch_refused_takes_fewer_rows_in_flight(kernels, monkeypatch):
