@@ -98,6 +98,16 @@ def error_growth(d: dict) -> list[str]:
     return lines
 
 
+def host_time(d: dict) -> list[str]:
+    lines = [f"**Host time per call on inputs too small to fill the GPU** ({d['gpu']}, torch {d['torch']}, triton "
+             f"{d['triton']}; `{d['command']}`): {d['method']}; the L2 flush before each `do_bench` call takes "
+             f"{d['do_bench_flush_gpu_us']:.1f} µs of GPU time:", "",
+             "| rows × cols | dtype | call | µs per call, back to back |", "| --- | --- | --- | --- |"]
+    for r in d["calls"]:
+        lines.append(f"| {r['rows']} × {r['cols']} | {r['dtype']} | `{r['call']}` | {r['us_per_call_back_to_back']:.1f} |")
+    return lines
+
+
 def generic(name: str, d: dict) -> list[str]:
     """Other result files report their own summary rows (merge, LSE toolkit)."""
     env = {k: d[k] for k in ("gpu", "torch", "triton", "command") if k in d}
@@ -130,6 +140,8 @@ def main() -> None:
             lines = error_growth(d)
         elif path.name.startswith("lse_toolkit"):
             lines = lse_toolkit(d)
+        elif path.name.startswith("host_time"):
+            lines = host_time(d)
         else:
             lines = generic(path.stem, d)
         print(f"<!-- from benchmarks/results/{path.name} -->")

@@ -88,7 +88,7 @@ TUNING: dict[str, int | None] = {
     "coop_fwd": 1,
     "coop_piece_fwd": 1024,
     "coop_warps_fwd": 2,
-    "coop_piece_fwd_16": 1024,  # 2-byte dtypes
+    "coop_piece_fwd_16": 2048,  # 2-byte dtypes
     "coop_warps_fwd_16": 1,
     "coop_bwd": 1,
     "coop_piece_bwd": 4096,
@@ -99,9 +99,10 @@ TUNING: dict[str, int | None] = {
     # scheduler where the compiler took 196 and fitted two (H200, 512 x 131072 bf16 as pairs: 0.72 -> 0.83x
     # copy in a probe; 0.85x in the recorded run, with the exponent as one FMA). Since the pieces' max
     # is taken on the packed words, 1024-column pieces capped at 96 and 2048 capped at 168 are within
-    # 1% in the sweep's GPU time (1024/96 faster on bf16 2048 x 32767, 2048/168 on 1300 x 50257)
+    # 1% in the sweep's GPU time (1024/96 faster on bf16 2048 x 32767, 2048/168 on 1300 x 50257), and
+    # successive sweeps picked either
     "coop_maxnreg_fwd": None,
-    "coop_maxnreg_fwd_16": 96,
+    "coop_maxnreg_fwd_16": 168,
     "coop_maxnreg_bwd": None,
     "coop_maxnreg_bwd_16": None,
     # the float32 forward's plan for rows of more than `coop_long_pieces` pieces or too long for
