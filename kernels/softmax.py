@@ -1585,11 +1585,12 @@ def logsumexp_forward(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | Non
         return lse.fill_(float("-inf"))
     col64 = _col64(N, sx_n)
     short = N <= int(TUNING["max_row_block"])
-    # rows off 16-byte boundaries in whole vectors, as the forward reads them (its MODE 2): short rows
-    # one per program, 2-byte rows of any length in the cooperative pieces
-    if ((short and TUNING["aligned_rows"] or x.element_size() == 2 and TUNING["aligned_lse"])
-            and _aligned_rows((xm,), N, ((sx_o, sx_i, sx_n),), short, "fwd")
-            and _aligned_forward(xm, lse, R, N, I, (sx_o, sx_i, 0, 0), _LOGSUMEXP, short)):
+    # rows off 16-byte boundaries in whole vectors, as the forward reads them (its MODE 2): rows as short
+    # as the forward's row kernels take one per program, 2-byte rows of any length in the cooperative pieces
+    fits = N <= int(TUNING["max_row_block_16" if x.element_size() <= 2 else "max_row_block"])
+    if ((fits and TUNING["aligned_rows"] or x.element_size() == 2 and TUNING["aligned_lse"])
+            and _aligned_rows((xm,), N, ((sx_o, sx_i, sx_n),), fits, "fwd")
+            and _aligned_forward(xm, lse, R, N, I, (sx_o, sx_i, 0, 0), _LOGSUMEXP, fits)):
         return lse
     if short:
         block_r, block_n = _short_tile(R, N)

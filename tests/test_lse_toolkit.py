@@ -504,10 +504,13 @@ def test_kernel_aligned_rows(kernels, monkeypatch, mode, dtype, shape, cut, alig
 def test_kernel_aligned_rows_any_length_and_stride(data):
     """`_fwd_rows_aligned_kernel` under the interpreter on drawn row counts, lengths (1-200) and row
     strides (rows start anywhere), x and the output alike strided: values against float64; rows whose
-    length leaves them off the 16-byte boundaries must take it."""
+    length leaves them off the 16-byte boundaries must take it. float32 and fp16 only: the interpreter's
+    float32 -> bf16 cast truncates where the GPU rounds to nearest, a whole bf16 ulp that the bound
+    derived from PyTorch's own bf16 softmax does not allow on rows of a few elements (found here: a row
+    of 2); bf16 runs compiled in `test_gpu_aligned_rows`."""
     from ringlse.kernels import softmax as ks
 
-    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), "dtype")
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float16]), "dtype")
     mode = data.draw(st.sampled_from(MODES), "mode")
     rows, cols = data.draw(st.integers(1, 5), "rows"), data.draw(st.integers(1, 200), "cols")
     gap = data.draw(st.integers(0, 9), "gap")  # row stride = cols + gap
