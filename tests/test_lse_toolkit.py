@@ -72,13 +72,18 @@ def softmax_math(x: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
     return y.movedim(-1, dim)
 
 
+def grad_from_y(y: torch.Tensor, g: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
+    """The backward formula of softmax or log_softmax from its output y, in y's dtype."""
+    if mode == "softmax":
+        return y * (g - (g * y).sum(dim, keepdim=True))
+    return g - torch.exp(y) * g.sum(dim, keepdim=True)
+
+
 def grad_math(x: torch.Tensor, g: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
     """The backward formulas of the task, from the forward output of `softmax_math` in x's dtype."""
     y = softmax_math(x, dim, mode)
-    if mode == "softmax":
-        return y * (g - (g * y).sum(dim, keepdim=True))
-    if mode == "log_softmax":
-        return g - torch.exp(y) * g.sum(dim, keepdim=True)
+    if mode != "logsumexp":
+        return grad_from_y(y, g, dim, mode)
     lse = y.unsqueeze(dim)
     e = torch.where(torch.isneginf(lse), torch.zeros_like(x), torch.exp(x - torch.where(torch.isneginf(lse), 0.0, lse)))
     return g.unsqueeze(dim) * e
@@ -400,11 +405,8 @@ def assert_backward_of_y(dx, y, g, dim, mode):
     hot (x100) y's own rounding is most of that error, which no backward can undo and which the baseline,
     from its own rounded y, meets or misses by chance (fp16 strided x100: 7 of 150 draws of g over the
     bound, every one with dx equal to the exact backward of the rounded y)."""
-    yd, gd = y.double(), g.double()
-    if mode == "softmax":
-        exact = yd * (gd - (gd * yd).sum(dim, keepdim=True))
-    else:
-        exact = gd - torch.exp(yd) * gd.sum(dim, keepdim=True)
+    gd = g.double()
+    exact = grad_from_y(y.double(), gd, dim, mode)
     ulp = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dx.dtype]  # relative spacing, at most
     err = (dx.double() - exact).abs()
     tol = ulp * exact.abs() + 1e-5 * (gd.abs().max() + exact.abs().max())
