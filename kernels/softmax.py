@@ -5,7 +5,7 @@ dims are folded into at most two (outer, inner) groups with their own strides, s
 copy (only layouts that fold into more than two groups are copied). Row `r` = `o * I + i` starts at
 `o * s_o + i * s_i`; column `n` is `n * s_n` further.
 
-Three row regimes, chosen by `_plan`:
+Row regimes, chosen once per call layout (a call plan, `_planned`):
 - short and medium rows (`N <= TUNING["max_row_block"]`): a program holds `BLOCK_R` whole rows in
   registers: one read, one write, the exact max before a single `exp` per element; rows of contiguous
   columns that start or end off 16-byte boundaries (odd lengths), whose loads Triton narrows to what it
@@ -66,9 +66,51 @@ _SOFTMAX: int = 0
 _LOG_SOFTMAX: int = 1
 _LOGSUMEXP: int = 2
 
-# Dispatch knobs, read on every call (the benchmark and the tests change them).
-# defaults = the winners of the tuning sweep in benchmarks/results/lse_toolkit-nvidia-h200.json
-TUNING: dict[str, int | None] = {
+
+
+class _Knobs(dict):
+    """A dict that counts its changes: a call plan depends on the knobs, and its key holds this count
+    instead of every value (hashing ~60 values cost ~1.5 us of host time per call)."""
+
+    version = 0
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.version += 1
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self.version += 1
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
+        self.version += 1
+
+    def clear(self):
+        super().clear()
+        self.version += 1
+
+    def pop(self, *args):
+        self.version += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        self.version += 1
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        self.version += 1
+        return super().setdefault(key, default)
+
+
+# Dispatch knobs, read when a call is planned (the benchmark and the tests change them; a change takes
+# effect at the next call). Defaults = the winners of the tuning sweep in
+# benchmarks/results/lse_toolkit-nvidia-h200.json
+TUNING: _Knobs = _Knobs({
     "max_row_block": 32768,  # forward: rows up to this many columns stay in registers
     # the same for bf16/fp16: longer rows take the cooperative kernel, which reads them as pairs
     # (H200, 2048 x 32768 bf16: 0.75x copy in the row kernel, 0.85x cooperative)
@@ -170,7 +212,7 @@ TUNING: dict[str, int | None] = {
     "lb_warps": 8,
     "lb_max_pieces": 256,
     "lb_group_bytes": 1 << 20,
-}
+})
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1121,31 +1163,30 @@ def _dim_last(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t if dim == t.dim() - 1 else t.movedim(dim, -1)
 
 
-def _as_rows(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
-    """`t` with `dim` (>= 0) moved last (a view where possible, a copy otherwise) and its row folding."""
+def _input_rows(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, int, int, int, int], bool]:
+    """Plan time: `t` with `dim` (>= 0) moved last (a view where its dims fold, else a copy), its row
+    folding, and whether it was copied (`_input_view` does the same per call)."""
     tm = _dim_last(t, dim)
     lay = _fold_rows(tm)
-    if lay is None:
-        tm = tm.contiguous()
-        lay = _fold_rows(tm)
-    return tm, lay
+    if lay is not None:
+        return tm, lay, False
+    tm = tm.contiguous()
+    return tm, _fold_rows(tm), True
 
 
-def _empty_rows(like: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
-    """An output shaped like the row view `like`, keeping its memory order when that is dense."""
-    out = torch.empty_like(like, dtype=dtype)
-    lay = _fold_rows(out)
-    if lay is None:
-        out = torch.empty(like.shape, dtype=dtype, device=like.device)
-        lay = _fold_rows(out)
-    return out, lay
+def _input_view(t: torch.Tensor, dim: int, copy: bool) -> torch.Tensor:
+    """Per call: the row view `_input_rows` planned for tensors of `t`'s layout."""
+    tm = _dim_last(t, dim)
+    return tm.contiguous() if copy else tm
 
 
 def _output_rows(
     out: torch.Tensor | None, like: torch.Tensor, dim: int, shape: torch.Size, dtype: torch.dtype, what: str
-) -> tuple[torch.Tensor, tuple[int, int, int, int, int], torch.Tensor | None]:
-    """Row view of the output and its folding: the caller's `out` when its layout folds, else a fresh
-    buffer shaped like the row view `like`; the third item is the `out` to copy into at the end."""
+) -> tuple[torch.Tensor, tuple[int, int, int, int, int], bool, bool]:
+    """Plan time: row view of the output and its folding, then `direct` (the caller's `out` is written
+    in place: its layout folds) and `dense` (a fresh buffer keeps the memory order of the row view
+    `like`: its layout folds), which `_output_view` takes per call. A fresh buffer is written where
+    `out` does not fold, and copied into it at the end."""
     if out is not None:
         if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != like.device:
             raise ValueError(f"{what}: out must be {tuple(shape)} {dtype} on {like.device}, got {tuple(out.shape)} "
@@ -1153,9 +1194,24 @@ def _output_rows(
         om = _dim_last(out, dim)
         lay = _fold_rows(om)
         if lay is not None:
-            return om, lay, None
-    ym, lay = _empty_rows(like, dtype)
-    return ym, lay, out
+            return om, lay, True, True
+    ym = torch.empty_like(like, dtype=dtype)
+    lay = _fold_rows(ym)
+    if lay is not None:
+        return ym, lay, False, True
+    ym = torch.empty(like.shape, dtype=dtype, device=like.device)
+    return ym, _fold_rows(ym), False, False
+
+
+def _output_view(out: torch.Tensor | None, like: torch.Tensor, dim: int, dtype: torch.dtype, direct: bool,
+                 dense: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per call: the output rows `_output_rows` planned, and the `out` to copy them into at the end
+    (`_finish`; None: written in place or no `out`)."""
+    if direct:
+        return _dim_last(out, dim), None
+    if dense:
+        return torch.empty_like(like, dtype=dtype), out
+    return torch.empty(like.shape, dtype=dtype, device=like.device), out
 
 
 def _finish(ym: torch.Tensor, dim: int, target: torch.Tensor | None) -> torch.Tensor:
@@ -1313,30 +1369,18 @@ def _coop_choose(kernel, which: str, tensors: tuple, R: int, N: int, I: int, str
     return chosen
 
 
-# call shape -> `_coop_choose`'s plan: the plan is the same for every call of a shape while the knobs
-# stay, and choosing it (two tiers, their occupancy lookups) cost more host time than the kernel's
-# launch (H200, 512 x 131072 bf16: ~130 us per call, longer than the L2 flush `do_bench` runs first)
-_PLANS: dict[tuple, tuple | None] = {}
+class _Replan(Exception):
+    """A call plan's cooperative launch was refused down to no rows in flight (`_coop_launch`): the
+    call is planned again, and `_COOP_CAP` then steers it to another path."""
 
 
-def _coop_launch(kernel, which: str, tensors: tuple, R: int, N: int, I: int, strides: tuple, consts: dict,
-                 per: int = 1) -> bool:
-    """Run a cooperative kernel (`which` = "fwd"/"bwd") over `tensors` with an int64 `[R, K]` word per
-    piece if a plan applies (`_coop_choose`); False otherwise (the caller takes another path). `per` > 1:
-    the kernel loads items of `per` elements, and N and the strides count items."""
-    device = tensors[0].device
-    key = (kernel.fn.__name__, which, R, N, I, strides, per, tuple(consts.items()),
-           tuple(t.dtype for t in tensors), device, tuple(TUNING.values()))
-    plan = _PLANS.get(key, _MISSING)
-    if plan is _MISSING:
-        plan = _coop_choose(kernel, which, tensors, R, N, I, strides, consts, per)
-        if len(_PLANS) >= 1024:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    if plan is None:
-        return False
-    slots, K, warps, c, cap_key = plan
+def _coop_launch(kernel, tensors: tuple, R: int, N: int, I: int, strides: tuple, chosen: tuple) -> bool:
+    """Launch a cooperative kernel over `tensors` with the plan `_coop_choose` chose, with an int64
+    `[R, K]` word per piece; False if the driver refused every grid down to one row in flight (it ran
+    nothing then). N and the strides count the kernel's items (`per` elements each)."""
+    slots, K, warps, c, cap_key = chosen
     slots = min(slots, _COOP_CAP.get(cap_key, slots))
+    device = tensors[0].device
     words, other, n_other, pool = _coop_words(device, R * K)
     while slots >= 1:
         try:
@@ -1358,7 +1402,21 @@ def _coop_launch(kernel, which: str, tensors: tuple, R: int, N: int, I: int, str
     return False
 
 
-_MISSING = object()
+def _coop_step(kernel, which: str, tensors: tuple, R: int, N: int, I: int, strides: tuple, consts: dict,
+               per: int = 1):
+    """Plan time: a step `step(*tensors)` that runs the cooperative `kernel` (`which` = "fwd"/"bwd")
+    over tensors of the layouts of `tensors`, or None where no cooperative plan applies (the caller
+    takes another path). `per` > 1: the kernel loads items of `per` elements, and N and the strides
+    count items."""
+    chosen = _coop_choose(kernel, which, tensors, R, N, I, strides, consts, per)
+    if chosen is None or min(chosen[0], _COOP_CAP.get(chosen[4], chosen[0])) < 1:
+        return None
+
+    def step(*ts: torch.Tensor) -> None:
+        if not _coop_launch(kernel, ts, R, N, I, strides, chosen):
+            raise _Replan
+
+    return step
 
 
 class _WordPool:
@@ -1427,12 +1485,13 @@ def _aligned_rows(ts: tuple[torch.Tensor, ...], N: int, strides: tuple[tuple[int
     return not (strides[0][0] % vec == 0 and strides[0][1] % vec == 0 and N % vec == 0)
 
 
-def _aligned_forward(xm: torch.Tensor, y: torch.Tensor, R: int, N: int, I: int, strides: tuple, mode: int,
-                     short: bool) -> bool:
-    """The aligned forward over rows `_aligned_rows` accepted (False: take another path): rows `short`
-    enough for registers one per program (`_fwd_rows_aligned_kernel`, knob `aligned_rows`), else
-    `_fwd_coop_aligned_kernel` (`_coop_launch`), 2-byte rows as words of two. y is the output rows
-    (strides (sx_o, sx_i, sy_o, sy_i)), or for logsumexp (MODE 2) the float32 lse."""
+def _aligned_forward_step(xm: torch.Tensor, y: torch.Tensor, R: int, N: int, I: int, strides: tuple, mode: int,
+                          short: bool):
+    """Plan time: a step `step(xm, y)` of the aligned forward over rows `_aligned_rows` accepted, or
+    None (take another path): rows `short` enough for registers one per program
+    (`_fwd_rows_aligned_kernel`, knob `aligned_rows`), else `_fwd_coop_aligned_kernel` (`_coop_step`),
+    2-byte rows as words of two. y is the output rows (strides (sx_o, sx_i, sy_o, sy_i)), or for
+    logsumexp (MODE 2) the float32 lse."""
     ve = 16 // xm.element_size()  # elements per 16-byte vector
     if short and TUNING["aligned_rows"]:
         block = max(ve, next_power_of_2(N // ve * ve))  # (a row's whole vectors span at most this)
@@ -1441,11 +1500,10 @@ def _aligned_forward(xm: torch.Tensor, y: torch.Tensor, R: int, N: int, I: int, 
         warps, cap = TUNING["aligned_rows_warps"] or max(2, min(32, block // 1024)), {}
         if xm.is_cuda and ve == 8 and block >= int(TUNING["aligned_rows_wide_16"]) and not TUNING["aligned_rows_warps"]:
             warps, cap = block // 2048, dict(maxnreg=int(TUNING["aligned_rows_wide_maxnreg"]))
-        launch(_fwd_rows_aligned_kernel, (R,), xm, y, I, *strides, N, MODE=mode, BLOCK=block, VE=ve,
-               num_warps=int(warps), **cap)
-        return True
+        return lambda xm, y: launch(_fwd_rows_aligned_kernel, (R,), xm, y, I, *strides, N, MODE=mode, BLOCK=block,
+                                    VE=ve, num_warps=int(warps), **cap)
     words = {torch.bfloat16: 1, torch.float16: 2}.get(xm.dtype, 0)
-    return _coop_launch(
+    return _coop_step(
         # SPAN: the units of a row's whole vectors, at most (4 per vector; a row inside one: a piece)
         _fwd_coop_aligned_kernel, "fwd", (xm, y), R, max(1, N * xm.element_size() // 16 * 4), I, (*strides, N),
         dict(MODE=mode, PACK=words, ASM=os.environ.get("TRITON_INTERPRET") != "1", VE=ve),
@@ -1466,24 +1524,126 @@ def _pair_pack(xm: torch.Tensor, ym: torch.Tensor, N: int, row_strides: tuple, c
     return 1 if xm.dtype == torch.bfloat16 else 2
 
 
-def _lookback_launch(kernel, which: str, tensors: tuple, n_partials: int, R: int, N: int, I: int,
-                     strides: tuple, consts: dict) -> bool:
-    """Run a look-back kernel (`which` = "fwd"/"bwd") over `tensors` with `n_partials` float32 `[R, K]`
-    partial buffers if the knob is on; False otherwise (the caller takes another path)."""
+def _lookback_step(kernel, which: str, tensors: tuple, n_partials: int, R: int, N: int, I: int,
+                   strides: tuple, consts: dict):
+    """Plan time: a step `step(*tensors)` that runs a look-back kernel (`which` = "fwd"/"bwd") with
+    `n_partials` float32 `[R, K]` partial buffers, or None if the knob is off (take another path)."""
     if not TUNING[f"lookback_{which}"]:
-        return False
+        return None
     block = int(TUNING["lb_block"])
     piece = cdiv(max(int(TUNING["lb_piece"]), cdiv(N, int(TUNING["lb_max_pieces"]))), block) * block
     K = cdiv(N, piece)
     group_rows = max(1, min(R, int(TUNING["lb_group_bytes"]) // (N * tensors[0].element_size())))
     n_groups = cdiv(R, group_rows)
-    device = tensors[0].device
-    partials = torch.empty((n_partials, R, K), dtype=torch.float32, device=device).unbind(0)
-    kernel[(2 * n_groups * group_rows * K,)](
-        *tensors, *partials, _row_counters(device, 2 * R), R, N, I, *strides, piece, K, group_rows, n_groups,
-        KB=next_power_of_2(K), BLOCK_N=block, num_warps=int(TUNING["lb_warps"]), **consts,
-    )
-    return True
+    consts = dict(consts, KB=next_power_of_2(K), BLOCK_N=block)
+    warps = int(TUNING["lb_warps"])
+
+    def step(*ts: torch.Tensor) -> None:
+        device = ts[0].device
+        partials = torch.empty((n_partials, R, K), dtype=torch.float32, device=device).unbind(0)
+        launch(kernel, (2 * n_groups * group_rows * K,), *ts, *partials, _row_counters(device, 2 * R), R, N, I,
+               *strides, piece, K, group_rows, n_groups, num_warps=warps, **consts)
+
+    return step
+
+
+# ----------------------------------------------------------------------------------------------------
+# Call plans
+# ----------------------------------------------------------------------------------------------------
+# Why: on inputs of a few MB a launcher's host time is the whole cost of a call (H200, 8 x 131072
+# float32 softmax: 55-90 us of Python per call for 7 us of GPU time; benchmarks/NOTES.md). All that a
+# call decides (its rows' folding, the path, kernels, grids, warps and constexprs) depends only on the
+# layouts of its tensors (shape, strides, dtype, device, 16-byte alignment), its flags and the knobs.
+# So it is decided once per such key, and the plan kept is a closure that does only the per-call work:
+# views, allocations, workspace and launches. A plan holds no tensor: each call passes its own.
+
+_PLAN_LIMIT = 1024  # plans kept; the cache starts over past this
+_CALL_PLANS: dict[tuple, object] = {}
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """What a plan may depend on of a tensor (None for no tensor)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+
+
+def _planned(key: tuple, build, *args):
+    """`plan(*args)` for the plan of `key`, built as `build(*args)` on first use; built again after
+    one of its cooperative launches was refused outright (`_Replan`: the next plan avoids that grid)."""
+    while True:
+        plan = _CALL_PLANS.get(key)
+        if plan is None:
+            if len(_CALL_PLANS) >= _PLAN_LIMIT:
+                _CALL_PLANS.clear()
+            plan = _CALL_PLANS[key] = build(*args)
+        try:
+            return plan(*args)
+        except _Replan:
+            del _CALL_PLANS[key]
+
+
+def _forward_step(xm: torch.Tensor, ym: torch.Tensor, R: int, N: int, I: int, strides: tuple, mode: int):
+    """Plan time: the forward's step `step(xm, ym)` over rows of these layouts (`strides`: x's
+    (outer, inner, column), then y's); the first path that applies, fastest first."""
+    sx_o, sx_i, sx_n, sy_o, sy_i, sy_n = strides
+    col64 = _col64(N, sx_n, sy_n)
+    short = N <= int(TUNING["max_row_block_16" if xm.element_size() <= 2 else "max_row_block"])
+    if _aligned_rows((xm, ym), N, ((sx_o, sx_i, sx_n), (sy_o, sy_i, sy_n)), short, "fwd") and (
+        step := _aligned_forward_step(xm, ym, R, N, I, (sx_o, sx_i, sy_o, sy_i), mode, short)
+    ):
+        return step
+    if short:
+        block_r, block_n = _short_tile(R, N)
+        grid, warps = (cdiv(R, block_r),), _row_warps(block_r * block_n)
+        return lambda xm, ym: launch(
+            _fwd_rows_kernel, grid, xm, ym, xm, R, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n,
+            MODE=mode, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=warps,
+        )
+    if (pack := _pair_pack(xm, ym, N, (sx_o, sx_i, sy_o, sy_i), (sx_n, sy_n))) and (step := _coop_step(
+        _fwd_coop_kernel, "fwd", (xm, ym), R, N // 2, I, (sx_o // 2, sx_i // 2, 1, sy_o // 2, sy_i // 2, 1),
+        dict(MODE=mode, COL64=col64, PACK=pack, ASM=os.environ.get("TRITON_INTERPRET") != "1"), per=2,
+    )):
+        return step
+    if step := _coop_step(_fwd_coop_kernel, "fwd", (xm, ym), R, N, I, strides,
+                          dict(MODE=mode, COL64=col64, PACK=0, ASM=False)):
+        return step
+    if step := _lookback_step(_fwd_lookback_kernel, "fwd", (xm, ym), 2, R, N, I, strides, dict(MODE=mode, COL64=col64)):
+        return step
+    n_pieces, piece, chunk = _split(R, N, xm.device)
+    warps = int(TUNING["chunk_warps"])
+
+    def split(xm: torch.Tensor, ym: torch.Tensor) -> None:
+        pm = ps = xm  # unused placeholders when fused
+        if n_pieces > 1:
+            pm, ps = torch.empty((2, R, n_pieces), dtype=torch.float32, device=xm.device).unbind(0)
+            launch(
+                _fwd_stats_kernel, (R, n_pieces), xm, pm, ps, pm, pm, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
+                OUT=0, NP_BLOCK=1, BLOCK_N=chunk, COL64=col64, num_warps=warps,
+            )
+        launch(
+            _fwd_long_kernel, (R, n_pieces), xm, ym, pm, ps, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, piece,
+            n_pieces, MODE=mode, FUSED=n_pieces == 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk,
+            COL64=col64, num_warps=warps,
+        )
+
+    return split
+
+
+def _forward_plan(x: torch.Tensor, out: torch.Tensor | None, dim: int, log: bool):
+    """Plan time: `plan(x, out, dim, log) -> y` for `softmax_forward` on tensors of these layouts."""
+    xm, (O, I, sx_o, sx_i, sx_n), copy = _input_rows(x, dim)
+    ym, (_, _, sy_o, sy_i, sy_n), direct, dense = _output_rows(out, xm, dim, x.shape, x.dtype, "softmax")
+    N, R = xm.shape[-1], O * I
+    strides = (sx_o, sx_i, sx_n, sy_o, sy_i, sy_n)
+    step = _forward_step(xm, ym, R, N, I, strides, _LOG_SOFTMAX if log else _SOFTMAX) if R and N else None
+
+    def plan(x: torch.Tensor, out: torch.Tensor | None, dim: int, log: bool) -> torch.Tensor:
+        xm = _input_view(x, dim, copy)
+        ym, target = _output_view(out, xm, dim, x.dtype, direct, dense)
+        if step is not None:
+            step(xm, ym)
+        return _finish(ym, dim, target)
+
+    return plan
 
 
 def softmax_forward(
@@ -1504,52 +1664,69 @@ def softmax_forward(
     if x.dim() == 0:
         return softmax_forward(x.reshape(1), 0, log=log, out=None if out is None else out.reshape(1)).reshape(())
     dim = dim % x.dim()
-    xm, (O, I, sx_o, sx_i, sx_n) = _as_rows(x, dim)
-    ym, (_, _, sy_o, sy_i, sy_n), target = _output_rows(out, xm, dim, x.shape, x.dtype, "softmax")
-    N = xm.shape[-1]
-    R = O * I
-    if R == 0 or N == 0:
-        return _finish(ym, dim, target)
-    mode = _LOG_SOFTMAX if log else _SOFTMAX
-    col64 = _col64(N, sx_n, sy_n)
-    short = N <= int(TUNING["max_row_block_16" if x.element_size() <= 2 else "max_row_block"])
-    aligned = _aligned_rows((xm, ym), N, ((sx_o, sx_i, sx_n), (sy_o, sy_i, sy_n)), short, "fwd")
-    if aligned and _aligned_forward(xm, ym, R, N, I, (sx_o, sx_i, sy_o, sy_i), mode, short):
-        pass
-    elif short:
+    key = ("softmax", _layout(x), _layout(out), dim, log, TUNING.version)
+    return _planned(key, _forward_plan, x, out, dim, log)
+
+
+def _logsumexp_step(xm: torch.Tensor, R: int, N: int, I: int, strides: tuple):
+    """Plan time: logsumexp's step `step(xm, lse)` over rows of this layout (`strides`: (outer,
+    inner, column)); the first path that applies, fastest first."""
+    sx_o, sx_i, sx_n = strides
+    col64 = _col64(N, sx_n)
+    # rows off 16-byte boundaries in whole vectors, as the forward reads them (its MODE 2): rows as short
+    # as the forward's row kernels take one per program, 2-byte rows of any length in the cooperative pieces
+    fits = N <= int(TUNING["max_row_block_16" if xm.element_size() <= 2 else "max_row_block"])
+    if ((fits and TUNING["aligned_rows"] or xm.element_size() == 2 and TUNING["aligned_lse"])
+            and _aligned_rows((xm,), N, (strides,), fits, "fwd")
+            # (a stand-in for the lse: MODE 2 writes float32, one per row, whose strides it knows)
+            and (step := _aligned_forward_step(xm, xm.new_empty(1, dtype=torch.float32), R, N, I,
+                                               (sx_o, sx_i, 0, 0), _LOGSUMEXP, fits))):
+        return step
+    if N <= int(TUNING["max_row_block"]):
         block_r, block_n = _short_tile(R, N)
-        launch(
-            _fwd_rows_kernel, (cdiv(R, block_r),), xm, ym, xm, R, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n,
-            MODE=mode, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
+        grid, warps = (cdiv(R, block_r),), _row_warps(block_r * block_n)
+        return lambda xm, lse: launch(
+            _fwd_rows_kernel, grid, xm, xm, lse, R, N, I, sx_o, sx_i, sx_n, 0, 0, 0,
+            MODE=_LOGSUMEXP, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=warps,
         )
-    elif (pack := _pair_pack(xm, ym, N, (sx_o, sx_i, sy_o, sy_i), (sx_n, sy_n))) and _coop_launch(
-        _fwd_coop_kernel, "fwd", (xm, ym), R, N // 2, I, (sx_o // 2, sx_i // 2, 1, sy_o // 2, sy_i // 2, 1),
-        dict(MODE=mode, COL64=col64, PACK=pack, ASM=os.environ.get("TRITON_INTERPRET") != "1"), per=2,
-    ):
-        pass
-    elif _coop_launch(_fwd_coop_kernel, "fwd", (xm, ym), R, N, I, (sx_o, sx_i, sx_n, sy_o, sy_i, sy_n),
-                      dict(MODE=mode, COL64=col64, PACK=0, ASM=False)):
-        pass
-    elif _lookback_launch(_fwd_lookback_kernel, "fwd", (xm, ym), 2, R, N, I, (sx_o, sx_i, sx_n, sy_o, sy_i, sy_n),
-                          dict(MODE=mode, COL64=col64)):
-        pass
-    else:
-        device = x.device
-        n_pieces, piece, chunk = _split(R, N, device)
-        warps = int(TUNING["chunk_warps"])
-        pm = ps = xm  # unused placeholders when fused
+    n_pieces, piece, chunk = _split(R, N, xm.device)
+    warps = int(TUNING["chunk_warps"])
+
+    def split(xm: torch.Tensor, lse: torch.Tensor) -> None:
+        # one launch either way: a row of one piece writes its lse; a split row's last piece merges
+        pm = ps = cnt = lse  # (unused when one piece)
         if n_pieces > 1:
-            pm, ps = torch.empty((2, R, n_pieces), dtype=torch.float32, device=device).unbind(0)
-            launch(
-                _fwd_stats_kernel, (R, n_pieces), xm, pm, ps, pm, pm, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
-                OUT=0, NP_BLOCK=1, BLOCK_N=chunk, COL64=col64, num_warps=warps,
-            )
+            pm, ps = torch.empty((2, R, n_pieces), dtype=torch.float32, device=xm.device).unbind(0)
+            cnt = _row_counters(xm.device, R)
         launch(
-            _fwd_long_kernel, (R, n_pieces), xm, ym, pm, ps, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, piece,
-            n_pieces, MODE=mode, FUSED=n_pieces == 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk,
-            COL64=col64, num_warps=warps,
+            _fwd_stats_kernel, (R, n_pieces), xm, pm, ps, lse, cnt, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
+            OUT=2 if n_pieces > 1 else 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk, COL64=col64,
+            num_warps=warps,
         )
-    return _finish(ym, dim, target)
+
+    return split
+
+
+def _logsumexp_plan(x: torch.Tensor, out: torch.Tensor | None, dim: int):
+    """Plan time: `plan(x, out, dim) -> lse` for `logsumexp_forward` on tensors of these layouts."""
+    xm, (O, I, sx_o, sx_i, sx_n), copy = _input_rows(x, dim)
+    N, R = xm.shape[-1], O * I
+    shape = xm.shape[:-1]
+    if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != torch.float32
+                            or not out.is_contiguous() or out.device != x.device):
+        raise ValueError(f"logsumexp: out must be contiguous float32 {tuple(shape)} on {x.device}")
+    step = _logsumexp_step(xm, R, N, I, (sx_o, sx_i, sx_n)) if R and N else None
+
+    def plan(x: torch.Tensor, out: torch.Tensor | None, dim: int) -> torch.Tensor:
+        xm = _input_view(x, dim, copy)
+        lse = torch.empty(shape, dtype=torch.float32, device=xm.device) if out is None else out
+        if step is not None:
+            step(xm, lse)
+        elif R:  # rows of no element
+            lse.fill_(float("-inf"))
+        return lse
+
+    return plan
 
 
 def logsumexp_forward(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -1567,50 +1744,71 @@ def logsumexp_forward(x: torch.Tensor, dim: int = -1, *, out: torch.Tensor | Non
     if x.dim() == 0:
         x = x.reshape(1)
     dim = dim % x.dim()
-    xm, (O, I, sx_o, sx_i, sx_n) = _as_rows(x, dim)
-    N = xm.shape[-1]
-    R = O * I
-    shape = xm.shape[:-1]
-    device = x.device
-    if out is None:
-        lse = torch.empty(shape, dtype=torch.float32, device=device)
-    else:
-        if (tuple(out.shape) != tuple(shape) or out.dtype != torch.float32 or not out.is_contiguous()
-                or out.device != device):
-            raise ValueError(f"logsumexp: out must be contiguous float32 {tuple(shape)} on {device}")
-        lse = out
-    if R == 0:
-        return lse
-    if N == 0:
-        return lse.fill_(float("-inf"))
-    col64 = _col64(N, sx_n)
-    short = N <= int(TUNING["max_row_block"])
-    # rows off 16-byte boundaries in whole vectors, as the forward reads them (its MODE 2): rows as short
-    # as the forward's row kernels take one per program, 2-byte rows of any length in the cooperative pieces
-    fits = N <= int(TUNING["max_row_block_16" if x.element_size() <= 2 else "max_row_block"])
-    if ((fits and TUNING["aligned_rows"] or x.element_size() == 2 and TUNING["aligned_lse"])
-            and _aligned_rows((xm,), N, ((sx_o, sx_i, sx_n),), fits, "fwd")
-            and _aligned_forward(xm, lse, R, N, I, (sx_o, sx_i, 0, 0), _LOGSUMEXP, fits)):
-        return lse
+    key = ("logsumexp", _layout(x), _layout(out), dim, TUNING.version)
+    return _planned(key, _logsumexp_plan, x, out, dim)
+
+
+def _backward_step(ym: torch.Tensor, gm: torch.Tensor, dm: torch.Tensor, R: int, N: int, I: int,
+                   strides: tuple, log: bool):
+    """Plan time: the softmax backward's step `step(ym, gm, dm)` over rows of these layouts (`strides`:
+    (outer, inner, column) of y, g and dx); the first path that applies, fastest first."""
+    sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n = strides
+    col64 = _col64(N, sy_n, sg_n, sd_n)
+    short = N <= int(TUNING["max_row_block_bwd"])
+    ve = 16 // ym.element_size()  # elements per 16-byte vector
+    if _aligned_rows((ym, gm, dm), N, (strides[:3], strides[3:6], strides[6:]), short, "bwd") and (step := _coop_step(
+        # SPAN: the elements of a row's whole vectors, at most
+        _bwd_coop_aligned_kernel, "bwd", (ym, gm, dm), R, max(1, N // ve * ve), I,
+        (sy_o, sy_i, sg_o, sg_i, sd_o, sd_i, N), dict(LOG=log, VE=ve),
+    )):
+        return step
     if short:
         block_r, block_n = _short_tile(R, N)
-        launch(
-            _fwd_rows_kernel, (cdiv(R, block_r),), xm, xm, lse, R, N, I, sx_o, sx_i, sx_n, 0, 0, 0,
-            MODE=_LOGSUMEXP, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=_row_warps(block_r * block_n),
+        grid, warps = (cdiv(R, block_r),), _row_warps(block_r * block_n)
+        return lambda ym, gm, dm: launch(
+            _bwd_rows_kernel, grid, ym, gm, dm, R, N, I, *strides, LOG=log, BLOCK_R=block_r, BLOCK_N=block_n,
+            COL64=col64, num_warps=warps,
         )
-        return lse
-    n_pieces, piece, chunk = _split(R, N, device)
-    # one launch either way: a row of one piece writes its lse; a split row's last piece merges
-    pm = ps = cnt = lse  # (unused when one piece)
-    if n_pieces > 1:
-        pm, ps = torch.empty((2, R, n_pieces), dtype=torch.float32, device=device).unbind(0)
-        cnt = _row_counters(device, R)
-    launch(
-        _fwd_stats_kernel, (R, n_pieces), xm, pm, ps, lse, cnt, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
-        OUT=2 if n_pieces > 1 else 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk, COL64=col64,
-        num_warps=int(TUNING["chunk_warps"]),
-    )
-    return lse
+    if step := _coop_step(_bwd_coop_kernel, "bwd", (ym, gm, dm), R, N, I, strides, dict(LOG=log, COL64=col64)):
+        return step
+    if step := _lookback_step(_bwd_lookback_kernel, "bwd", (ym, gm, dm), 1, R, N, I, strides, dict(LOG=log, COL64=col64)):
+        return step
+    n_pieces, piece, chunk = _split(R, N, ym.device)
+    warps = int(TUNING["chunk_warps"])
+
+    def split(ym: torch.Tensor, gm: torch.Tensor, dm: torch.Tensor) -> None:
+        part = ym
+        if n_pieces > 1:
+            part = torch.empty((R, n_pieces), dtype=torch.float32, device=ym.device)
+            launch(
+                _bwd_partial_kernel, (R, n_pieces), ym, gm, part, N, I, *strides[:6], piece, n_pieces,
+                LOG=log, BLOCK_N=chunk, COL64=col64, num_warps=warps,
+            )
+        launch(
+            _bwd_long_kernel, (R, n_pieces), ym, gm, dm, part, N, I, *strides, piece, n_pieces, LOG=log,
+            FUSED=n_pieces == 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk, COL64=col64, num_warps=warps,
+        )
+
+    return split
+
+
+def _backward_plan(y: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None, dim: int, log: bool):
+    """Plan time: `plan(y, g, out, dim, log) -> dx` for `softmax_backward` on tensors of these layouts."""
+    ym, (O, I, sy_o, sy_i, sy_n), copy_y = _input_rows(y, dim)
+    gm, (_, _, sg_o, sg_i, sg_n), copy_g = _input_rows(g.to(y.dtype), dim)
+    dm, (_, _, sd_o, sd_i, sd_n), direct, dense = _output_rows(out, ym, dim, y.shape, y.dtype, "softmax_backward")
+    N, R = ym.shape[-1], O * I
+    strides = (sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n)
+    step = _backward_step(ym, gm, dm, R, N, I, strides, log) if R and N else None
+
+    def plan(y: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None, dim: int, log: bool) -> torch.Tensor:
+        ym = _input_view(y, dim, copy_y)
+        dm, target = _output_view(out, ym, dim, y.dtype, direct, dense)
+        if step is not None:
+            step(ym, _input_view(g.to(y.dtype), dim, copy_g), dm)
+        return _finish(dm, dim, target)
+
+    return plan
 
 
 def softmax_backward(
@@ -1634,54 +1832,33 @@ def softmax_backward(
     if y.dim() == 0:  # a one-element row: softmax is the constant 1 (log_softmax 0), its gradient 0
         return torch.zeros_like(y)
     dim = dim % y.dim()
-    g = g.to(y.dtype)
-    ym, (O, I, sy_o, sy_i, sy_n) = _as_rows(y, dim)
-    gm, (_, _, sg_o, sg_i, sg_n) = _as_rows(g, dim)
-    dm, (_, _, sd_o, sd_i, sd_n), target = _output_rows(out, ym, dim, y.shape, y.dtype, "softmax_backward")
-    N = ym.shape[-1]
-    R = O * I
-    if R == 0 or N == 0:
-        return _finish(dm, dim, target)
-    col64 = _col64(N, sy_n, sg_n, sd_n)
-    short = N <= int(TUNING["max_row_block_bwd"])
-    strides = ((sy_o, sy_i, sy_n), (sg_o, sg_i, sg_n), (sd_o, sd_i, sd_n))
-    ve = 16 // y.element_size()  # elements per 16-byte vector
-    if _aligned_rows((ym, gm, dm), N, strides, short, "bwd") and _coop_launch(
-        # SPAN: the elements of a row's whole vectors, at most
-        _bwd_coop_aligned_kernel, "bwd", (ym, gm, dm), R, max(1, N // ve * ve), I,
-        (sy_o, sy_i, sg_o, sg_i, sd_o, sd_i, N), dict(LOG=log, VE=ve),
-    ):
-        pass
-    elif short:
-        block_r, block_n = _short_tile(R, N)
-        launch(
-            _bwd_rows_kernel, (cdiv(R, block_r),), ym, gm, dm, R, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n,
-            sd_o, sd_i, sd_n, LOG=log, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64,
-            num_warps=_row_warps(block_r * block_n),
-        )
-    elif _coop_launch(_bwd_coop_kernel, "bwd", (ym, gm, dm), R, N, I,
-                      (sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n), dict(LOG=log, COL64=col64)):
-        pass
-    elif _lookback_launch(_bwd_lookback_kernel, "bwd", (ym, gm, dm), 1, R, N, I,
-                          (sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n), dict(LOG=log, COL64=col64)):
-        pass
-    else:
-        device = y.device
-        n_pieces, piece, chunk = _split(R, N, device)
-        warps = int(TUNING["chunk_warps"])
-        part = ym
-        if n_pieces > 1:
-            part = torch.empty((R, n_pieces), dtype=torch.float32, device=device)
+    key = ("softmax_backward", _layout(y), _layout(g), _layout(out), dim, log, TUNING.version)
+    return _planned(key, _backward_plan, y, g, out, dim, log)
+
+
+def _logsumexp_backward_plan(x: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None, dim: int):
+    """Plan time: `plan(x, lse, g, out, dim) -> dx` for `logsumexp_backward` on tensors of the layouts
+    of x and out (lse and g, whatever their layouts, become contiguous vectors per call)."""
+    xm, (O, I, sx_o, sx_i, sx_n), copy = _input_rows(x, dim)
+    dm, (_, _, sd_o, sd_i, sd_n), direct, dense = _output_rows(out, xm, dim, x.shape, x.dtype, "logsumexp_backward")
+    N, R = xm.shape[-1], O * I
+    block_n = min(next_power_of_2(N), 2048)
+    block_r = max(1, min(int(TUNING["tile"]) // block_n, next_power_of_2(R)))
+    n_col_tiles = cdiv(N, block_n)
+    grid, warps, col64 = (cdiv(R, block_r) * n_col_tiles,), _row_warps(block_r * block_n), _col64(N, sx_n, sd_n)
+
+    def plan(x: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None, dim: int) -> torch.Tensor:
+        xm = _input_view(x, dim, copy)
+        dm, target = _output_view(out, xm, dim, x.dtype, direct, dense)
+        if R and N:
             launch(
-                _bwd_partial_kernel, (R, n_pieces), ym, gm, part, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, piece,
-                n_pieces, LOG=log, BLOCK_N=chunk, COL64=col64, num_warps=warps,
+                _lse_bwd_kernel, grid, xm, lse.reshape(R).to(torch.float32).contiguous(), g.reshape(R).contiguous(),
+                dm, R, N, I, sx_o, sx_i, sx_n, sd_o, sd_i, sd_n, n_col_tiles,
+                BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=warps,
             )
-        launch(
-            _bwd_long_kernel, (R, n_pieces), ym, gm, dm, part, N, I, sy_o, sy_i, sy_n, sg_o, sg_i, sg_n,
-            sd_o, sd_i, sd_n, piece, n_pieces, LOG=log, FUSED=n_pieces == 1, NP_BLOCK=next_power_of_2(n_pieces),
-            BLOCK_N=chunk, COL64=col64, num_warps=warps,
-        )
-    return _finish(dm, dim, target)
+        return _finish(dm, dim, target)
+
+    return plan
 
 
 def logsumexp_backward(
@@ -1703,23 +1880,8 @@ def logsumexp_backward(
     if x.dim() == 0:
         return logsumexp_backward(x.reshape(1), lse.reshape(()), g.reshape(()), 0).reshape(())
     dim = dim % x.dim()
-    xm, (O, I, sx_o, sx_i, sx_n) = _as_rows(x, dim)
-    dm, (_, _, sd_o, sd_i, sd_n), target = _output_rows(out, xm, dim, x.shape, x.dtype, "logsumexp_backward")
-    N = xm.shape[-1]
-    R = O * I
-    if R == 0 or N == 0:
-        return _finish(dm, dim, target)
-    lse = lse.reshape(R).to(torch.float32).contiguous()
-    g = g.reshape(R).contiguous()
-    block_n = min(next_power_of_2(N), 2048)
-    block_r = max(1, min(int(TUNING["tile"]) // block_n, next_power_of_2(R)))
-    n_col_tiles = cdiv(N, block_n)
-    launch(
-        _lse_bwd_kernel, (cdiv(R, block_r) * n_col_tiles,), xm, lse, g, dm, R, N, I, sx_o, sx_i, sx_n,
-        sd_o, sd_i, sd_n, n_col_tiles,
-        BLOCK_R=block_r, BLOCK_N=block_n, COL64=_col64(N, sx_n, sd_n), num_warps=_row_warps(block_r * block_n),
-    )
-    return _finish(dm, dim, target)
+    key = ("logsumexp_backward", _layout(x), _layout(out), dim, TUNING.version)
+    return _planned(key, _logsumexp_backward_plan, x, lse, g, out, dim)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -268,14 +268,26 @@ def kernels():
 
 
 @pytest.fixture(autouse=True)
-def fresh_coop_plans():
-    """Cooperative plans are cached per call shape; tests replace the planners (`_coop_plan`,
+def fresh_call_plans():
+    """Call plans are cached per layout and knobs; tests replace the planners (`_coop_plan`,
     `_coop_grid`), so each test starts and ends with no cached plan."""
     from ringlse.kernels import softmax as ks
 
-    ks._PLANS.clear()
+    ks._CALL_PLANS.clear()
     yield
-    ks._PLANS.clear()
+    ks._CALL_PLANS.clear()
+
+
+def spy_launches(monkeypatch, ks) -> list[tuple[str, dict]]:
+    """`(kernel name, constexprs)` of every launch the softmax launchers make from now on."""
+    launched, real = [], ks.launch
+
+    def spy(kernel, grid, *args, **kw):
+        launched.append((kernel.fn.__name__, kw))
+        return real(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(ks, "launch", spy)
+    return launched
 
 
 def set_regime(monkeypatch, ks, regime):
@@ -437,14 +449,7 @@ def test_kernel_cooperative_layouts(kernels, monkeypatch, mode, dtype, shape, di
     2-byte rows as words where they are 4-byte aligned, else element by element (`_fwd_coop_kernel`,
     `_bwd_coop_kernel`); -inf entries, all -inf rows, values x100, forward and backward; and logsumexp,
     which takes the aligned forward for 2-byte rows off the boundaries."""
-    launched = []
-    real_launch = kernels._coop_launch
-
-    def spy(kern, which, tensors, R, N, I, strides, consts, per=1):
-        launched.append((which, kern.fn.__name__, consts.get("PACK")))
-        return real_launch(kern, which, tensors, R, N, I, strides, consts, per)
-
-    monkeypatch.setattr(kernels, "_coop_launch", spy)
+    launches = spy_launches(monkeypatch, kernels)
     monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize, tier="": None if tier else (1, 1 << (N - 1).bit_length(), 4, None))
     monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: min(R, 3))
     for knob in ("max_row_block", "max_row_block_16", "max_row_block_bwd"):
@@ -469,14 +474,16 @@ def test_kernel_cooperative_layouts(kernels, monkeypatch, mode, dtype, shape, di
     # the backward's y, g and dx are fresh: contiguous rows, off the boundaries where their length is
     off = dim == -1 and x.shape[-1] * x.element_size() % 16
     want_bwd = "_bwd_coop_aligned_kernel" if off else "_bwd_coop_kernel"
-    assert launched[0][1:] == want  # (the first launches: with the knobs as set)
-    assert next(k[1] for k in launched if k[0] == "bwd") == want_bwd
+    coop = [(name, kw.get("PACK")) for name, kw in launches if "_coop_" in name]
+    assert coop[0] == want  # (the first launches: with the knobs as set)
+    assert next(name for name, _ in coop if name.startswith("_bwd")) == want_bwd
     if mode == "softmax":  # 2-byte logsumexp reads rows off the boundaries as the forward does (its MODE 2)
-        launched.clear()
+        launches.clear()
         for scale in (3.0, 100.0):
             x = make_x(shape, dim, dtype, scale=scale, seed=29)[..., cut:]
             judge_against("lse", kernel_forward(kernels, "logsumexp", x, dim), x, dim, "logsumexp", dtype)
-        assert [k[1:] for k in launched] == ([want] * 2 if kernel == "aligned" and pack else [])
+        coop = [(name, kw.get("PACK")) for name, kw in launches if "_coop_" in name]
+        assert coop == ([want] * 2 if kernel == "aligned" and pack else [])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -556,7 +563,8 @@ def test_kernel_aligned_rows_any_length_and_stride(data):
 
 def test_cooperative_launch_refused_takes_fewer_rows_in_flight(kernels, monkeypatch):
     """If the driver refuses a cooperative grid as too large, the launcher halves the rows in flight
-    (remembering it) and, at zero, lets the caller take another path; other errors propagate."""
+    (remembering it) and, at zero, tells the caller (whose call plan then takes another path); other
+    errors propagate."""
     monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize, tier="": None if tier else (2, 4, 1, None))
     monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: 8)
     monkeypatch.setattr(kernels, "_COOP_CAP", {})
@@ -578,15 +586,85 @@ def test_cooperative_launch_refused_takes_fewer_rows_in_flight(kernels, monkeypa
 
     x, y = torch.zeros(16, 8), torch.zeros(16, 8)
     strides = (8, 0, 1, 8, 0, 1)
-    assert kernels._coop_launch(FakeKernel(6), "fwd", (x, y), 16, 8, 1, strides, {"MODE": 0})
+
+    def launch(kernel, mode=0):
+        chosen = kernels._coop_choose(kernel, "fwd", (x, y), 16, 8, 1, strides, {"MODE": mode}, 1)
+        return kernels._coop_launch(kernel, (x, y), 16, 8, 1, strides, chosen)
+
+    assert launch(FakeKernel(6))
     assert grids == [16, 8, 4]  # 8 and 4 rows in flight (x 2 pieces) refused, 2 accepted
     assert list(kernels._COOP_CAP.values()) == [2]
     grids.clear()
-    assert kernels._coop_launch(FakeKernel(6), "fwd", (x, y), 16, 8, 1, strides, {"MODE": 0})
+    assert launch(FakeKernel(6))
     assert grids == [4]  # straight to the remembered 2 rows in flight
-    assert not kernels._coop_launch(FakeKernel(0), "fwd", (x, y), 16, 8, 1, strides, {"MODE": 0})
+    assert not launch(FakeKernel(0))
+    assert kernels._coop_step(FakeKernel(0), "fwd", (x, y), 16, 8, 1, strides, {"MODE": 0}) is None  # (cap 0)
     with pytest.raises(RuntimeError, match="out of memory"):
-        kernels._coop_launch(FakeKernel(0, "CUDA out of memory"), "fwd", (x, y), 16, 8, 1, strides, {"MODE": 1})
+        launch(FakeKernel(0, "CUDA out of memory"), mode=1)
+
+
+def test_call_plan_built_again_after_refused_launch(kernels):
+    """A plan whose cooperative launch was refused outright (`_Replan`) is dropped and built again
+    (the new one avoids that grid); the plan that worked is kept for the next call of the key."""
+    builds, runs = [], []
+
+    def build(v):
+        n = len(builds) + 1
+        builds.append(v)
+
+        def plan(v):
+            runs.append(n)
+            if n == 1:
+                raise kernels._Replan
+            return v * 10
+
+        return plan
+
+    key = ("test", "refused")
+    assert kernels._planned(key, build, 3) == 30
+    assert builds == [3, 3] and runs == [1, 2]
+    assert kernels._planned(key, build, 4) == 40
+    assert builds == [3, 3] and runs == [1, 2, 2]
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_call_plans_follow_layout_and_alignment(kernels, monkeypatch, dtype):
+    """One plan per layout: tensors of one shape and strides whose data sit on and off 16-byte
+    boundaries take different kernels (whichever comes first), and a knob change takes effect at the
+    next call; every result against float64."""
+    monkeypatch.setitem(kernels.TUNING, "aligned_rows_min_cols", 1)
+    launches = spy_launches(monkeypatch, kernels)
+    flat = make_x((5, 46), -1, dtype, scale=3.0, seed=31).reshape(-1)
+    # rows of 45: off the boundaries; `off` starts 1 element past one (the output rows are fresh)
+    on, off = flat[:225].reshape(5, 45), flat[1:226].reshape(5, 45)
+    for x in (on, off, on, off):
+        launches.clear()
+        judge_against("fwd", kernels.softmax_forward(x), x, -1, "softmax", dtype)
+        want = "_fwd_rows_aligned_kernel" if x.data_ptr() % 16 == 0 else "_fwd_rows_kernel"
+        assert [name for name, _ in launches] == [want]
+    assert len(kernels._CALL_PLANS) == 2
+    monkeypatch.setitem(kernels.TUNING, "aligned_rows", 0)
+    launches.clear()
+    judge_against("fwd", kernels.softmax_forward(on), on, -1, "softmax", dtype)
+    assert [name for name, _ in launches] == ["_fwd_rows_kernel"]
+
+
+def test_call_plans_hold_no_tensor(kernels):
+    """A cached plan keeps no tensor of the call that built it alive (inputs, outputs, workspace)."""
+    import gc
+    import weakref
+
+    x = torch.randn(6, 40, 3).movedim(1, 2)  # (a view whose rows are columns of the storage)
+    g = torch.randn(6, 3, 40)
+    y = kernels.softmax_forward(x)
+    dx = kernels.softmax_backward(y, g)
+    lse = kernels.logsumexp_forward(x)
+    dl = kernels.logsumexp_backward(x, lse, lse)
+    refs = [weakref.ref(t) for t in (x, g, y, dx, lse, dl)]
+    del x, g, y, dx, lse, dl
+    gc.collect()
+    assert len(kernels._CALL_PLANS) == 4
+    assert all(r() is None for r in refs)
 
 
 @pytest.mark.parametrize(
@@ -686,7 +764,8 @@ class _FakeKernel:
 def test_launch_cache_and_call_protocol(monkeypatch):
     """Hits call the compiled launcher as `JITFunction.run` does (grid padded to 3, stream, function,
     metadata, no hooks, every parameter in signature order, constexprs included); a key differing in
-    any specialisation feature compiles again; what the fast path does not handle goes to kernel[grid]."""
+    any specialisation feature (integers: in value) compiles again; what the fast path does not handle
+    goes to kernel[grid]."""
     from ringlse.kernels import launch as kl
 
     monkeypatch.setattr(kl, "_CACHE", {})
@@ -697,16 +776,18 @@ def test_launch_cache_and_call_protocol(monkeypatch):
     kl.launch(k, (4,), 7, 32, num_warps=4, B=8, C=True)
     assert len(k.compiled) == 1 and k.compiled[0] == ((7, 32), 4, {"B": 8, "C": True})
     assert k.calls[-1] == ("fast", (4, 1, 1, 1002, 1, ("meta", 1), None, None, None, 7, 32, 8, True))
-    kl.launch(k, (5, 6), 9, 48, num_warps=4, B=8, C=True)  # same features: a hit
+    kl.launch(k, (5, 6), 7, 32, num_warps=4, B=8, C=True)  # same arguments: a hit
     assert len(k.compiled) == 1
-    assert k.calls[-1] == ("fast", (5, 6, 1, 1002, 1, ("meta", 1), None, None, None, 9, 48, 8, True))
-    for n, tag in [(33, 2), (1, 3), (2**40, 4)]:  # not % 16, == 1, int64: each compiles apart
+    assert k.calls[-1] == ("fast", (5, 6, 1, 1002, 1, ("meta", 1), None, None, None, 7, 32, 8, True))
+    # integers are keyed by value (finer than Triton's features, whose cache then serves the compile):
+    # another multiple of 16, not % 16, == 1, int64: each apart
+    for n, tag in [(48, 2), (33, 3), (1, 4), (2**40, 5)]:
         kl.launch(k, (1, 1, 3), 9, n, num_warps=4, B=8, C=True)
         assert len(k.compiled) == tag and k.calls[-1][1][:6] == (1, 1, 3, 1002, tag, ("meta", tag))
     kl.launch(k, (1,), 9, 32, num_warps=8, B=8, C=True)  # num_warps
     kl.launch(k, (1,), 9, 32, num_warps=4, B=16, C=True)  # a constexpr's value
     kl.launch(k, (1,), 9, 32, num_warps=4, B=8, C=1)  # its type (1 == True)
-    assert len(k.compiled) == 7 and all(c[0] == "fast" for c in k.calls)
+    assert len(k.compiled) == 8 and all(c[0] == "fast" for c in k.calls)
     slow = [
         ((torch.zeros(3), 32), {"B": 8, "C": True}),  # a CPU tensor
         ((9, 32, 8), {"C": True}),  # a constexpr passed positionally
@@ -717,7 +798,7 @@ def test_launch_cache_and_call_protocol(monkeypatch):
     for args, consts in slow:
         kl.launch(k, (2,), *args, num_warps=4, **consts)
         assert k.calls[-1] == ("slow", (2,), args, {"num_warps": 4, **consts})
-    assert len(k.compiled) == 7
+    assert len(k.compiled) == 8
 
 
 def test_launch_takes_tritons_path_when_it_must(kernels, monkeypatch):
@@ -883,18 +964,17 @@ def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, pi
                       f"coop_piece_{which}_16": piece, f"coop_warps_{which}_16": warps})
     for key, value in knobs.items():
         monkeypatch.setitem(ks.TUNING, key, value)
-    ran = []
-    launch = ks._coop_launch
-    monkeypatch.setattr(ks, "_coop_launch", lambda *a, **k: ran.append(launch(*a, **k)) or ran[-1])
+    launches = spy_launches(monkeypatch, ks)
     shape = (rows, cols) if dim == -1 else (cols, rows)
     x = make_x(shape, dim, dtype, scale=3.0, seed=16, device="cuda")  # with all -inf rows
     y = ks.softmax_forward(x, dim, log=mode == "log_softmax")
-    assert ran == [True]  # the cooperative kernel ran (the grid fits the GPU)
+    # the cooperative kernel ran (the grid fits the GPU), alone
+    assert [name[:10] for name, _ in launches] == ["_fwd_coop_"]
     assert not torch.isnan(y).any()
     judge_against("fwd", y, x, dim, mode, dtype)
     g = torch.randn(x.shape, device="cuda", dtype=F64).to(dtype)
     dx = ks.softmax_backward(y, g, dim, log=mode == "log_softmax")
-    assert ran == [True, True]
+    assert [name[:10] for name, _ in launches] == ["_fwd_coop_", "_bwd_coop_"]
     assert not torch.isnan(dx).any()
     judge_against("dx", dx, x, dim, mode, dtype, g=g)
 
@@ -914,12 +994,10 @@ def test_gpu_logsumexp_aligned_pieces(monkeypatch, rows, cols, dtype, piece, war
     for key, value in {"aligned_rows": 0, "coop_min_rows": 1, "coop_max_pieces": 1 << 20, "coop_piece_fwd_16": piece,
                        "coop_warps_fwd_16": warps, "coop_min_pieces_fwd_16": 0, "coop_min_fill": 0.0}.items():
         monkeypatch.setitem(ks.TUNING, key, value)
-    ran = []
-    launch = ks._coop_launch
-    monkeypatch.setattr(ks, "_coop_launch", lambda *a, **k: ran.append((a[0].fn.__name__, launch(*a, **k))) or ran[-1][1])
+    launches = spy_launches(monkeypatch, ks)
     x = make_x((rows, cols), -1, dtype, scale=3.0, seed=18, device="cuda")
     lse = kernel_forward(ks, "logsumexp", x, -1)
-    assert ran == [("_fwd_coop_aligned_kernel", True)]
+    assert [name for name, _ in launches] == ["_fwd_coop_aligned_kernel"]
     judge_against("lse", lse, x, -1, "logsumexp", dtype)
 
 
@@ -1010,16 +1088,14 @@ def test_gpu_cooperative_longer_pieces_for_long_rows(monkeypatch, dtype):
     for key, value in knobs.items():
         monkeypatch.setitem(ks.TUNING, key, value)
     assert ks._coop_plan(70, 40001, torch.device("cuda"), "fwd", 4)[:3] == (5, 8192, 8)
-    ran = []
-    launch = ks._coop_launch
-    monkeypatch.setattr(ks, "_coop_launch", lambda *a, **k: ran.append(launch(*a, **k)) or ran[-1])
+    launches = spy_launches(monkeypatch, ks)
     x = make_x((70, 40001), -1, dtype, scale=3.0, seed=18, device="cuda")
     for mode in ("softmax", "log_softmax"):
         y = ks.softmax_forward(x, -1, log=mode == "log_softmax")
         judge_against("fwd", y, x, -1, mode, dtype)
         g = torch.randn(x.shape, device="cuda", dtype=F64).to(dtype)
         judge_against("dx", ks.softmax_backward(y, g, -1, log=mode == "log_softmax"), x, -1, mode, dtype, g=g)
-    assert ran == [True] * 4
+    assert [name[:10] for name, _ in launches] == ["_fwd_coop_", "_bwd_coop_"] * 2
 
 
 @pytest.mark.gpu
@@ -1104,9 +1180,7 @@ def test_gpu_lookback_long_rows(monkeypatch, rows, cols, dim, dtype, knobs, mode
             "lookback_bwd": 1}
     for key, value in {**base, **knobs}.items():
         monkeypatch.setitem(ks.TUNING, key, value)
-    ran = []
-    launch = ks._lookback_launch
-    monkeypatch.setattr(ks, "_lookback_launch", lambda *a, **k: ran.append(launch(*a, **k)) or ran[-1])
+    launches = spy_launches(monkeypatch, ks)
     shape = (rows, cols) if dim == -1 else (cols, rows)
     x = make_x(shape, dim, dtype, scale=3.0, seed=18, device="cuda")  # with all -inf rows
     g = torch.randn(x.shape, device="cuda", dtype=F64).to(dtype)
@@ -1119,7 +1193,7 @@ def test_gpu_lookback_long_rows(monkeypatch, rows, cols, dim, dtype, knobs, mode
         assert not torch.isnan(y).any() and not torch.isnan(dx).any()
         judge_against("fwd", y, x, dim, mode, dtype)
         judge_against("dx", dx, x, dim, mode, dtype, g=g)
-    assert ran == [True] * 6
+    assert [name for name, _ in launches] == ["_fwd_lookback_kernel", "_bwd_lookback_kernel"] * 3
     assert all(int(c.count_nonzero()) == 0 for c in ks._COUNTERS.values())
 
 
