@@ -1,16 +1,16 @@
-"""Host time per call of the LSE toolkit's launchers on inputs too small to fill the GPU, next to
-PyTorch's ops and to the L2 flush `do_bench` runs before each timed call.
+"""Host time per call of the LSE toolkit's launchers, next to PyTorch's ops and to the L2 flush
+`do_bench` runs before each timed call.
 
 Why: on inputs of a few MB the kernels run for a few microseconds, and an eager call costs what the
 host spends launching it. `do_bench` (the LSE benchmark's eager timing) hides host time behind its L2
 flush; where the two are close, eager figures flip between runs (README, known gaps). This records
 both, so that the flip is explained by numbers rather than guessed.
 
-Time per call: `CALLS` calls back to back without synchronising, divided by `CALLS`; the median of
-`REPEATS` such loops. A loop runs at the slower of the host and the GPU: for our launchers on these
-inputs that is the host (their kernels take 7-14 us of GPU time, `lse_toolkit-*.json`), so the figure
-is their host time; `torch.logsumexp` here is GPU-bound (its kernels take longer than its launch).
-Flush: the GPU time of `do_bench`'s 256 MB `zero_`, timed with CUDA events.
+Host time per call: `CALLS` calls issued while the GPU is held busy by a sleep kernel queued first
+(`torch.cuda._sleep`), so that no call waits for the GPU: the loop's wall time over `CALLS` is host
+time alone, whatever the kernels' GPU time (a loop that outlasted the sleep is dropped: its host may
+have waited on the GPU); the median of `REPEATS` loops. Flush: the GPU time of `do_bench`'s 256 MB
+`zero_`, timed with CUDA events.
 
 Usage: python benchmarks/host_time.py [--out DIR]   (writes DIR/host_time-<gpu>.json, default
 benchmarks/results)
@@ -30,23 +30,60 @@ import triton
 
 from ringlse.kernels import softmax as ks
 
-CASES = [(8, 131072), (4, 1 << 20)]  # float32: the launch-bound cases of lse_toolkit.py
-CALLS, REPEATS = 500, 5
+# (rows, cols, dtype): the launch-bound float32 cases of lse_toolkit.py, then inputs that fill the GPU
+CASES = [(8, 131072, torch.float32), (4, 1 << 20, torch.float32), (4096, 1000, torch.float32),
+         (512, 131072, torch.bfloat16), (16384, 4097, torch.bfloat16)]
+# (few calls a loop: the launches queued behind the sleep must not fill the driver's queue, which would
+# make the host wait for the GPU after all)
+CALLS, REPEATS, SLEEP_CYCLES = 40, 15, 1 << 24
 
 
-def loop_us(fn) -> float:
-    """Median over REPEATS loops of CALLS back-to-back calls: microseconds per call."""
-    for _ in range(20):
+def host_loop_us(fn) -> float | None:
+    """One loop of CALLS calls issued behind a sleep kernel: host microseconds per call, or None if the
+    sleep ended before the loop did (the host may have waited on the GPU)."""
+    torch.cuda._sleep(SLEEP_CYCLES)
+    asleep = torch.cuda.Event()
+    asleep.record()  # (completes when the sleep ends)
+    t0 = time.perf_counter()
+    for _ in range(CALLS):
         fn()
+    elapsed = time.perf_counter() - t0
+    busy = not asleep.query()
     torch.cuda.synchronize()
-    loops = []
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        for _ in range(CALLS):
+    return elapsed / CALLS * 1e6 if busy else None
+
+
+def host_us(fns: dict) -> dict:
+    """Median over REPEATS loops (`host_loop_us`) per function; the functions take turns loop by loop,
+    so that the host's own drift (frequency, neighbours) spreads over all of them alike."""
+    for fn in fns.values():
+        for _ in range(20):
             fn()
-        loops.append((time.perf_counter() - t0) / CALLS * 1e6)
-        torch.cuda.synchronize()
-    return sorted(loops)[len(loops) // 2]
+    torch.cuda.synchronize()
+    loops: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(3 * REPEATS):
+        for name, fn in fns.items():
+            if len(loops[name]) < REPEATS and (t := host_loop_us(fn)) is not None:
+                loops[name].append(t)
+        if all(len(v) == REPEATS for v in loops.values()):
+            return {name: sorted(v)[REPEATS // 2] for name, v in loops.items()}
+    raise RuntimeError(f"the sleep kernel ended before loops of {CALLS} calls too often: the host waited on the GPU")
+
+
+def launches(fn) -> int:
+    """Kernel launches one call of our launchers makes (`ks.launch` counted)."""
+    count, real = [0], ks.launch
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    ks.launch = counted
+    try:
+        fn()
+    finally:
+        ks.launch = real
+    return count[0]
 
 
 def flush_us() -> float:
@@ -70,8 +107,8 @@ def main() -> None:
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     rows = []
-    for R, N in CASES:
-        x = torch.randn(R, N, device="cuda")
+    for R, N, dtype in CASES:
+        x = torch.randn(R, N, device="cuda", dtype=dtype)
         y = ks.softmax_forward(x)
         g = torch.randn_like(y)
         lse = ks.logsumexp_forward(x)
@@ -81,19 +118,21 @@ def main() -> None:
             "softmax_backward": lambda: ks.softmax_backward(y, g),
             "logsumexp_forward": lambda: ks.logsumexp_forward(x),
             "logsumexp_backward": lambda: ks.logsumexp_backward(x, lse, gl),
+            "softmax (autograd, forward)": lambda: ks.softmax(x),
             "torch.softmax": lambda: torch.softmax(x, -1),
             "torch.logsumexp": lambda: torch.logsumexp(x, -1),
             "torch.empty_like": lambda: torch.empty_like(x),
         }
-        for name, fn in fns.items():
-            rows.append(dict(rows=R, cols=N, dtype="float32", call=name, us_per_call_back_to_back=loop_us(fn)))
-            print(f"{R}x{N} {name:20s} {rows[-1]['us_per_call_back_to_back']:6.1f} us", flush=True)
+        for name, us in host_us(fns).items():
+            rows.append(dict(rows=R, cols=N, dtype=str(dtype).removeprefix("torch."), call=name, host_us_per_call=us,
+                             launches=None if name.startswith("torch.") else launches(fns[name])))
+            print(f"{R}x{N} {rows[-1]['dtype']} {name:28s} {rows[-1]['host_us_per_call']:6.1f} us", flush=True)
     result = {
         "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "method": f"time per call: median of {REPEATS} loops of {CALLS} back-to-back calls, no synchronise inside "
-                  "a loop (the slower of host and GPU: the host for our launchers here); flush: GPU time of "
-                  "do_bench's 256 MB zero_ (CUDA events, median of 50)",
+        "method": f"host time per call: median of {REPEATS} loops of {CALLS} calls issued while a sleep kernel "
+                  "queued first holds the GPU busy (no call waits on the GPU), the calls of one input taking "
+                  "turns loop by loop; flush: GPU time of do_bench's 256 MB zero_ (CUDA events, median of 50)",
         "do_bench_flush_gpu_us": flush_us(),
         "calls": rows,
     }

@@ -99,12 +99,13 @@ def error_growth(d: dict) -> list[str]:
 
 
 def host_time(d: dict) -> list[str]:
-    lines = [f"**Host time per call on inputs too small to fill the GPU** ({d['gpu']}, torch {d['torch']}, triton "
+    lines = [f"**Host time per call of the LSE launchers** ({d['gpu']}, torch {d['torch']}, triton "
              f"{d['triton']}; `{d['command']}`): {d['method']}; the L2 flush before each `do_bench` call takes "
              f"{d['do_bench_flush_gpu_us']:.1f} µs of GPU time:", "",
-             "| rows × cols | dtype | call | µs per call, back to back |", "| --- | --- | --- | --- |"]
+             "| rows × cols | dtype | call | host µs per call | kernel launches |", "| --- | --- | --- | --- | --- |"]
     for r in d["calls"]:
-        lines.append(f"| {r['rows']} × {r['cols']} | {r['dtype']} | `{r['call']}` | {r['us_per_call_back_to_back']:.1f} |")
+        n = "–" if r.get("launches") is None else r["launches"]
+        lines.append(f"| {r['rows']} × {r['cols']} | {r['dtype']} | `{r['call']}` | {r['host_us_per_call']:.1f} | {n} |")
     return lines
 
 
