@@ -178,7 +178,11 @@ TUNING: _Knobs = _Knobs({
     # the cooperative kernels' pieces halved where a row would fill them less than this, or (2-byte
     # forward) where a row is cut into fewer pieces (`_coop_plan`)
     "coop_min_fill": 0.85,
-    "coop_min_pieces_fwd_16": 16,
+    # (17: rows of 16 pieces of 2048 columns too, with halved pieces capped at 96 registers, 21 warps an SM;
+    # H200, GPU time, x copy: bf16 2048 x 32768 0.87 -> 0.89, 2048 x 32767 0.79 -> 0.84, 2730 x 24575
+    # 0.80 -> 0.84, 1600 x 20001 0.72 -> 0.74; their logsumexp of 32767 columns 1.54 -> 1.43 half copies)
+    "coop_min_pieces_fwd_16": 17,
+    "coop_maxnreg_fwd_16_halved": 96,  # the register cap of halved 2-byte forward pieces
     # 2-byte logsumexp of rows off the boundaries through the aligned forward (its MODE 2) rather than
     # element by element (H200, kernel alone, x a copy's bandwidth, eager / GPU time: bf16 16384 x 4097
     # 0.36/0.37 -> 0.59/0.66, 65536 x 1025 0.31/0.32 -> 0.63/0.73, 1300 x 50257 0.45/0.52 -> 0.61/0.68;
@@ -1277,14 +1281,16 @@ def _coop_plan(R: int, N: int, device: torch.device, which: str, itemsize: int =
     fill = lambda p: N / (cdiv(N, p) * p)  # noqa: E731
     halve = fill(piece) < float(TUNING["coop_min_fill"]) and fill(piece // 2) > fill(piece)
     # and the 2-byte forward on rows of few pieces (H200, bf16 rows off the boundaries, x the same
-    # tensor's copy: 8192 x 8191, 4 pieces: 0.79 -> 0.84x; 4096 x 16383, 8: 0.79 -> 0.83x; but 32767
-    # columns, 16: 0.84 -> 0.79x)
+    # tensor's copy: 8192 x 8191, 4 pieces: 0.79 -> 0.84x; 4096 x 16383, 8: 0.79 -> 0.83x; 32767
+    # columns, 16, lost at first (0.84 -> 0.79x) and gained once the halved pieces took a register cap
+    # of their own: `coop_maxnreg_*_halved`)
     few = f"coop_min_pieces_{which}_16"
     # (a row of one piece never waits on another: 32768 x 2049, 1 piece, 0.87x; 2 pieces 0.85x)
     halve = halve or (itemsize <= 2 and few in TUNING and 1 < cdiv(N, piece) < int(TUNING[few]))
+    nreg = TUNING.get(f"coop_maxnreg_{name}")
     if not tier and grow == 1 and halve:
         piece, warps = piece // 2, max(1, warps // 2)
-    nreg = TUNING.get(f"coop_maxnreg_{name}")
+        nreg = TUNING.get(f"coop_maxnreg_{name}_halved", nreg)
     return cdiv(N, piece), piece, warps, int(nreg) if nreg else None
 
 
