@@ -980,6 +980,31 @@ def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, pi
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("rows,cols,dtype", [
+    pytest.param(257, 40001, torch.bfloat16, id="257x40001-bf16"),
+    pytest.param(130, 50257, torch.float16, id="130x50257-fp16"),
+    pytest.param(97, 65537, torch.float32, id="97x65537-fp32"),
+])
+def test_gpu_aligned_forward_l2_ahead(monkeypatch, rows, cols, dtype, mode):
+    """The aligned cooperative forward asks L2 for the row after the one it loads (sm_90 on): its
+    output is bit for bit the one without the prefetch, and right (all -inf rows included)."""
+    from ringlse.kernels import softmax as ks
+
+    for key, value in {"aligned_rows": 0, "coop_min_rows": 1, "coop_max_pieces": 1 << 20}.items():
+        monkeypatch.setitem(ks.TUNING, key, value)
+    launches = spy_launches(monkeypatch, ks)
+    x = make_x((rows, cols), -1, dtype, scale=3.0, seed=20, device="cuda")
+    y = kernel_forward(ks, mode, x, -1)
+    assert [name for name, _ in launches] == ["_fwd_coop_aligned_kernel"]
+    assert launches[0][1]["L2_AHEAD"] == (torch.cuda.get_device_capability() >= (9, 0))
+    judge_against("fwd", y, x, -1, mode, dtype)
+    monkeypatch.setitem(ks.TUNING, "coop_l2_ahead", 0)
+    assert torch.equal(kernel_forward(ks, mode, x, -1), y)
+    assert launches[1][1]["L2_AHEAD"] is False
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("piece,warps", [(512, 1), (2048, 2)], ids=lambda v: str(v))
 @pytest.mark.parametrize("rows,cols,dtype", [
     pytest.param(300, 4097, torch.bfloat16, id="300x4097-bf16"),
