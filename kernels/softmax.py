@@ -41,6 +41,9 @@ Row regimes, chosen once per call layout (a call plan, `_planned`):
   it loads (0.80 -> 0.84x there).
   2-byte logsumexp of such rows runs the aligned forward without its output (MODE 2: piece 0 writes
   the lse; H200, bf16 16384 x 4097: 3.90 -> 6.45x `torch.logsumexp`).
+  The forward's programs may take the rows' pieces in turn as tasks over every resident program
+  rather than whole rows in flight, where that takes fewer steps (and for logsumexp, so that piece 0,
+  which alone waits, is not always the same program): `_tasks_grid`.
 
 All arithmetic is float32 whatever the input dtype (fp32/bf16/fp16), outputs are in the input dtype.
 An all `-inf` row gives softmax 0, log_softmax `-inf`, logsumexp `-inf`, and no NaN anywhere, forward
@@ -151,6 +154,9 @@ TUNING: _Knobs = _Knobs({
     # the float32 forward's plan for rows of more than `coop_long_pieces` pieces or too long for
     # `coop_min_slots` rows in flight (`_coop_launch`)
     "coop_min_slots": 2,
+    # the forward's grid: every resident program taking the rows' pieces in turn, or whole rows in
+    # flight (`_tasks_grid`: 0 whole rows, 1 whichever takes fewer steps, 2 tasks)
+    "coop_tasks_fwd": 1,
     "coop_long_pieces": 128,
     "coop_piece_fwd_long": 4096,
     "coop_warps_fwd_long": 4,
@@ -777,34 +783,80 @@ def _reset_words(c_ptr, n_clear):
 
 
 @triton.jit
-def _load_piece(xp, row, R, I, s_o, s_i, cols, cmask, pad, EVEN: tl.constexpr):
-    """A program's piece (columns `cols`, mask `cmask`) of row `row`, which may be past the last, R - 1:
-    its values are then never used. EVEN (no column mask): such a row reads row R - 1 instead, with no
-    mask, so that no `other` is written into the registers before the load (compiled for sm_90, bf16
-    pieces of 1024 words: a move per word and row, 1 of 28 instructions per word)."""
-    if EVEN:
-        return tl.load(xp + _row_start(tl.minimum(row, R - 1), I, s_o, s_i) + cols)
+def _next_task(row, k, K, step_rows, step_k, TASKS: tl.constexpr):
+    """The task (row, piece) a program takes after task (row, k): tasks are numbered t = row * K + k and
+    program p of P takes t = p, p + P, p + 2P, ...; step_rows, step_k = divmod(P, K), so no division is
+    made per step. Not TASKS: P is a multiple of K (step_k = 0), and a program keeps its piece (the
+    compiler then keeps the piece's columns out of the loop: compiled for sm_90, bf16 pieces of 1024
+    words, 809 instructions a step where the general form takes 824)."""
+    if TASKS:
+        k = k + step_k
+        wrap = k >= K
+        return row + step_rows + wrap.to(tl.int32), tl.where(wrap, k - K, k)
     else:
-        return tl.load(xp + _row_start(row, I, s_o, s_i) + cols, mask=cmask & (row < R), other=pad)
+        return row + step_rows, k
+
+
+@triton.jit
+def _task_loop(pid, row, R, K, P, step_rows, TASKS: tl.constexpr):
+    """(first, last, stride) of a program's loop over its tasks (`_next_task`): task numbers, or, not
+    TASKS, its rows (the first is `row`)."""
+    if TASKS:
+        return pid, R * K, P
+    else:
+        return row, R, step_rows
+
+
+@triton.jit
+def _piece_cols(k, N, PIECE: tl.constexpr, EVEN: tl.constexpr):
+    """(columns, mask) of piece k of a row of N columns (EVEN: N % PIECE == 0, no column mask: a mask per
+    element held registers the pieces need)."""
+    cols = k * PIECE + tl.arange(0, PIECE)
+    if EVEN:
+        return cols, tl.full([PIECE], 1, tl.int1)
+    else:
+        return cols, cols < N
+
+
+@triton.jit
+def _load_piece(xp, row, k, R, N, I, s_o, s_i, s_n, pad, PIECE: tl.constexpr, COL64: tl.constexpr,
+                EVEN: tl.constexpr):
+    """Piece k of row `row`, which may be past the last, R - 1: its values are then never used. EVEN (no
+    column mask): such a row reads row R - 1 instead, with no mask, so that no `other` is written into
+    the registers before the load (compiled for sm_90, bf16 pieces of 1024 words: a move per word and
+    row, 1 of 28 instructions per word)."""
+    cols, cmask = _piece_cols(k, N, PIECE, EVEN)
+    offs = _col_offsets(cols, s_n, COL64)
+    if EVEN:
+        return tl.load(xp + _row_start(tl.minimum(row, R - 1), I, s_o, s_i) + offs)
+    else:
+        return tl.load(xp + _row_start(row, I, s_o, s_i) + offs, mask=cmask & (row < R), other=pad)
 
 
 @triton.jit
 def _fwd_coop_kernel(
     x_ptr, y_ptr, w_ptr, c_ptr, n_clear, R, N, I,
-    sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, K, SLOTS,
+    sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, K,
     MODE: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, COL64: tl.constexpr, PACK: tl.constexpr,
-    ASM: tl.constexpr, EVEN: tl.constexpr,
+    ASM: tl.constexpr, EVEN: tl.constexpr, TASKS: tl.constexpr,
 ):
-    """Programs `slot * K + k` hold piece k of rows slot, slot + SLOTS, ...: one read, one write.
+    """The grid's P programs take the R * K tasks (piece k of row r: task t = r * K + k) in turn, program
+    p tasks p, p + P, ... (`_next_task`): one read, one write. TASKS: P need not be a multiple of K, so
+    every resident program works (H200, bf16 512 x 131072 softmax, 64 pieces a row: 24 rows in flight
+    took 22 steps, the last a third full, where 1584 programs take 21; x copy, GPU time 0.87 -> 0.88,
+    eager 0.845 -> 0.85; float32 1300 x 50257, 50 pieces: 0.875 -> 0.907 eager). Else P is a whole
+    number of rows in flight, program `slot * K + k` holding piece k of rows slot, slot + P / K, ...
+    (`_tasks_grid` chooses).
 
-    Each piece publishes its `(max, sum)` as one word (`_publish_word`), pipelined by one row: a
-    program publishes row r + SLOTS before it waits for row r's words, so the row's other pieces have
-    a whole step to publish theirs, and the next row's piece after that is already requested. No
-    deadlock: publishing row r needs only row r - SLOTS complete, and the first rows are published
-    without waiting (every program of the grid is resident, `_coop_grid`).
+    Each piece publishes its `(max, sum)` as one word (`_publish_word`), pipelined by one task: a
+    program publishes task t + P before it waits for task t's row, so the row's other pieces have a
+    whole step to publish theirs, and the task after that is already requested. No deadlock: a row's
+    K <= P tasks lie in at most two consecutive steps, so before the programs wait in step j they have
+    published every task of steps j and j + 1 (the first two without waiting: every program of the
+    grid is resident, `_coop_grid`).
 
     PACK (1: bf16, 2: fp16): x and y are read and written as int32 words of two elements, so N, PIECE
-    and the strides count words. The three row pieces a program carries (this row, the next, the one
+    and the strides count words. The three row pieces a program carries (this task, the next, the one
     in flight) then take one register per two elements; loaded as 16-bit elements, each took a whole
     register, and the register file, not memory, bounded the bytes in flight. ASM: packed conversions
     (`_pack_pair`), compiled only. EVEN: N is a multiple of PIECE (no column mask).
@@ -812,33 +864,34 @@ def _fwd_coop_kernel(
     `w_ptr`: the launch's `[R, K]` words, all -1 at the start; `c_ptr`: the previous launch's, of which
     it resets the first `n_clear` (`_coop_words`)."""
     pid = tl.program_id(0)
-    slot = pid // K
-    k = pid - slot * K
-    cols = k * PIECE + tl.arange(0, PIECE)
-    if EVEN:  # N % PIECE == 0: no column mask (a mask per element held registers the pieces need)
-        cmask = tl.full([PIECE], 1, tl.int1)
-    else:
-        cmask = cols < N
+    P = tl.num_programs(0)
+    step_rows = P // K
+    step_k = P - step_rows * K
+    row = pid // K
+    k = pid - row * K
     xp, yp, pad = _piece_pointers(x_ptr, y_ptr, PACK)
-    x_cols = _col_offsets(cols, sx_n, COL64)
-    x = tl.load(xp + _row_start(slot, I, sx_o, sx_i) + x_cols, mask=cmask, other=pad)
-    x_next = _load_piece(xp, slot + SLOTS, R, I, sx_o, sx_i, x_cols, cmask, pad, EVEN)
+    x = _load_piece(xp, row, k, R, N, I, sx_o, sx_i, sx_n, pad, PIECE, COL64, EVEN)
+    row1, k1 = _next_task(row, k, K, step_rows, step_k, TASKS)
+    x_next = _load_piece(xp, row1, k1, R, N, I, sx_o, sx_i, sx_n, pad, PIECE, COL64, EVEN)
     _reset_words(c_ptr, n_clear)  # (while the first loads are in flight)
     m, s = _piece_max_sum(x, PACK, ASM)
-    _publish_word(w_ptr + slot * K + k, _pack_word(m, s))
-    for row in range(slot, R, SLOTS):
-        nxt = row + SLOTS
+    _publish_word(w_ptr + row * K + k, _pack_word(m, s))
+    first, last, stride = _task_loop(pid, row, R, K, P, step_rows, TASKS)
+    for it in range(first, last, stride):
+        if not TASKS:  # (the row from the loop's counter: nothing else carried from step to step)
+            row, row1 = it, it + step_rows
         x1 = x_next
-        after = nxt + SLOTS
-        x_next = _load_piece(xp, after, R, I, sx_o, sx_i, x_cols, cmask, pad, EVEN)
-        if nxt < R:
+        row2, k2 = _next_task(row1, k1, K, step_rows, step_k, TASKS)
+        x_next = _load_piece(xp, row2, k2, R, N, I, sx_o, sx_i, sx_n, pad, PIECE, COL64, EVEN)
+        if row1 < R:
             m1, s1 = _piece_max_sum(x1, PACK, ASM)
-            _publish_word(w_ptr + nxt * K + k, _pack_word(m1, s1))
+            _publish_word(w_ptr + row1 * K + k1, _pack_word(m1, s1))
         pm, ps = _await_words(w_ptr, row * K, K, KB)
         y = _piece_output(x, pm, ps, MODE, PACK, ASM, y_ptr.dtype.element_ty)
-        ys = _row_start(row, I, sy_o, sy_i)
-        tl.store(yp + ys + _col_offsets(cols, sy_n, COL64), y, mask=cmask)
+        cols, cmask = _piece_cols(k, N, PIECE, EVEN)
+        tl.store(yp + _row_start(row, I, sy_o, sy_i) + _col_offsets(cols, sy_n, COL64), y, mask=cmask)
         x = x1
+        row, k, row1, k1 = row1, k1, row2, k2
 
 
 @triton.jit
@@ -929,18 +982,18 @@ def _publish_piece(w_ptr, i, k, x, xe, PACK: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _fwd_coop_aligned_kernel(
-    x_ptr, y_ptr, w_ptr, c_ptr, n_clear, R, SPAN, I, sx_o, sx_i, sy_o, sy_i, N, K, SLOTS,
+    x_ptr, y_ptr, w_ptr, c_ptr, n_clear, R, SPAN, I, sx_o, sx_i, sy_o, sy_i, N, K,
     MODE: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, PACK: tl.constexpr, ASM: tl.constexpr,
-    VE: tl.constexpr, L2_AHEAD: tl.constexpr,
+    VE: tl.constexpr, L2_AHEAD: tl.constexpr, TASKS: tl.constexpr,
 ):
-    """`_fwd_coop_kernel` for rows of contiguous columns, read and written in 16-byte vectors whatever
-    their length and start: piece k of a row starts at the row's first 16-byte boundary, plus k pieces
-    (`_body`), so its loads and stores keep their full width on every row, and the pieces hold only
-    whole vectors of the row; the elements before the row's first boundary and after its last (fewer
-    than a vector at each end) are read and written one by one by piece 0 (`_ends`). Needs both base
-    pointers 16-byte aligned and the rows of y as far from 16-byte boundaries as those of x (the
-    launcher checks). Rows start anywhere: odd lengths and odd row strides too, 2-byte rows as words of
-    two elements (PACK) included.
+    """`_fwd_coop_kernel` (its tasks, words and pipelining) for rows of contiguous columns, read and written
+    in 16-byte vectors whatever their length and start: piece k of a row starts at the row's first 16-byte
+    boundary, plus k pieces (`_body`), so its loads and stores keep their full width on every row, and the
+    pieces hold only whole vectors of the row; the elements before the row's first boundary and after its
+    last (fewer than a vector at each end) are read and written one by one by piece 0 (`_ends`). Needs both
+    base pointers 16-byte aligned and the rows of y as far from 16-byte boundaries as those of x (the
+    launcher checks). Rows start anywhere: odd lengths and odd row strides too, 2-byte rows as words of two
+    elements (PACK) included.
 
     The ends apart, rather than whole vectors padded element by element where they hold the rows
     beside: the padding took registers over the whole piece (compiled for sm_90: bf16 pieces of 1024
@@ -951,38 +1004,43 @@ def _fwd_coop_aligned_kernel(
     (logsumexp): y is the float32 lse, one per row, which piece 0 writes; the other pieces only
     publish their words and never wait.
 
-    L2_AHEAD (sm_90 on): each program also asks L2 for its piece of the row after the one it loads,
+    L2_AHEAD (sm_90 on): each program also asks L2 for its piece of the task after the one it loads,
     `_prefetch_to_l2`, so that the loads of the next step find it there. H200, x a copy's bandwidth,
     eager: bf16 1300 x 50257 softmax 0.80 -> 0.84, 512 x 131071 0.79 -> 0.82, 1024 x 65537 0.80 ->
     0.83; the kernel for rows on the boundaries (`_fwd_coop_kernel`) lost 0-1% with it, prefetching two
     rows ahead lost everywhere (bf16 512 x 131072 0.85 -> 0.81), and one `prefetch.global.L2` per line
     instead of the bulk copy lost too (0.85 -> 0.81), as did logsumexp (MODE 2: 0.65 -> 0.63)."""
     pid = tl.program_id(0)
-    slot = pid // K
-    k = pid - slot * K
+    P = tl.num_programs(0)
+    step_rows = P // K
+    step_k = P - step_rows * K
+    row = pid // K
+    k = pid - row * K
     xp, yp, pad = _piece_pointers(x_ptr, y_ptr, PACK)
-    x, xe = _load_row_piece(x_ptr, xp, _row_start(slot, I, sx_o, sx_i), N, k, True, pad, float("-inf"), PIECE, VE, 4)
-    nxt = slot + SLOTS
-    x_next, xe_next = _load_row_piece(x_ptr, xp, _row_start(nxt, I, sx_o, sx_i), N, k, nxt < R, pad, float("-inf"),
-                                      PIECE, VE, 4)
+    x, xe = _load_row_piece(x_ptr, xp, _row_start(row, I, sx_o, sx_i), N, k, True, pad, float("-inf"), PIECE, VE, 4)
+    row1, k1 = _next_task(row, k, K, step_rows, step_k, TASKS)
+    x_next, xe_next = _load_row_piece(x_ptr, xp, _row_start(row1, I, sx_o, sx_i), N, k1, row1 < R, pad,
+                                      float("-inf"), PIECE, VE, 4)
     _reset_words(c_ptr, n_clear)  # (while the first loads are in flight)
-    _publish_piece(w_ptr, slot * K + k, k, x, xe, PACK, ASM)
-    for row in range(slot, R, SLOTS):
-        nxt = row + SLOTS
+    _publish_piece(w_ptr, row * K + k, k, x, xe, PACK, ASM)
+    first, last, stride = _task_loop(pid, row, R, K, P, step_rows, TASKS)
+    for it in range(first, last, stride):
+        if not TASKS:
+            row, row1 = it, it + step_rows
         x1, xe1 = x_next, xe_next
-        after = nxt + SLOTS
-        x_next, xe_next = _load_row_piece(x_ptr, xp, _row_start(after, I, sx_o, sx_i), N, k, after < R, pad,
+        row2, k2 = _next_task(row1, k1, K, step_rows, step_k, TASKS)
+        x_next, xe_next = _load_row_piece(x_ptr, xp, _row_start(row2, I, sx_o, sx_i), N, k2, row2 < R, pad,
                                           float("-inf"), PIECE, VE, 4)
         if L2_AHEAD:
-            ahead = after + SLOTS
-            if ahead < R:
-                s_a = _row_start(ahead, I, sx_o, sx_i)
-                p0, _ = _body(s_a, N, k, True, PIECE, VE, 4)
+            row3, k3 = _next_task(row2, k2, K, step_rows, step_k, TASKS)
+            if row3 < R:
+                s_a = _row_start(row3, I, sx_o, sx_i)
+                p0, _ = _body(s_a, N, k3, True, PIECE, VE, 4)
                 span = tl.minimum(_row_cuts(s_a, N, VE)[1] // (VE // 4) - p0, PIECE)  # units of 4 bytes
                 if span > 0:
                     _prefetch_to_l2(xp + p0, (span * 4).to(tl.int32))
-        if nxt < R:
-            _publish_piece(w_ptr, nxt * K + k, k, x1, xe1, PACK, ASM)
+        if row1 < R:
+            _publish_piece(w_ptr, row1 * K + k1, k1, x1, xe1, PACK, ASM)
         if MODE != 2 or k == 0:
             pm, ps = _await_words(w_ptr, row * K, K, KB)
             M, S = _merge_lanes(pm, ps)
@@ -997,6 +1055,7 @@ def _fwd_coop_aligned_kernel(
                     e, ends = _ends(ys, N, k, True, VE)
                     tl.store(y_ptr + e, _output_of(xe, M, S, MODE, 0, ASM, out_ty), mask=ends)
         x, xe = x1, xe1
+        row, k, row1, k1 = row1, k1, row2, k2
 
 
 @triton.jit
@@ -1036,14 +1095,17 @@ def _fwd_rows_aligned_kernel(
 @triton.jit
 def _bwd_coop_kernel(
     y_ptr, g_ptr, dx_ptr, w_ptr, c_ptr, n_clear, R, N, I,
-    sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n, K, SLOTS,
+    sy_o, sy_i, sy_n, sg_o, sg_i, sg_n, sd_o, sd_i, sd_n, K,
     LOG: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, COL64: tl.constexpr, EVEN: tl.constexpr,
 ):
     """The backward in the same cooperative form: pieces of y and g stay in registers while the row
     sum (sum(g * y), or sum(g) for log_softmax) is merged from the pieces' words (`_publish_word`).
     Not pipelined: its two inputs per piece already keep enough bytes in flight (measured on H200:
-    0.93-0.96x copy for fp32 rows of 64K-131K columns). Words and EVEN as in `_fwd_coop_kernel`."""
+    0.93-0.96x copy for fp32 rows of 64K-131K columns). Words and EVEN as in `_fwd_coop_kernel`; the
+    grid is a whole number of rows in flight, program `slot * K + k` holding piece k of rows slot,
+    slot + SLOTS, ... (unpipelined, a row straddling two steps would wait a whole step for its rest)."""
     pid = tl.program_id(0)
+    SLOTS = tl.num_programs(0) // K
     slot = pid // K
     k = pid - slot * K
     cols = k * PIECE + tl.arange(0, PIECE)
@@ -1075,7 +1137,7 @@ def _bwd_coop_kernel(
 
 @triton.jit
 def _bwd_coop_aligned_kernel(
-    y_ptr, g_ptr, dx_ptr, w_ptr, c_ptr, n_clear, R, SPAN, I, sy_o, sy_i, sg_o, sg_i, sd_o, sd_i, N, K, SLOTS,
+    y_ptr, g_ptr, dx_ptr, w_ptr, c_ptr, n_clear, R, SPAN, I, sy_o, sy_i, sg_o, sg_i, sd_o, sd_i, N, K,
     LOG: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, VE: tl.constexpr,
 ):
     """`_bwd_coop_kernel` for rows of contiguous columns off 16-byte boundaries, in 16-byte vectors and
@@ -1083,6 +1145,7 @@ def _bwd_coop_aligned_kernel(
     fraction of the bandwidth: H200, bf16 1300 x 50257 log_softmax backward 0.86x PyTorch's). Needs
     the rows of y, g and dx at the same offsets from 16-byte boundaries (the launcher checks)."""
     pid = tl.program_id(0)
+    SLOTS = tl.num_programs(0) // K
     slot = pid // K
     k = pid - slot * K
     _reset_words(c_ptr, n_clear)
@@ -1365,22 +1428,34 @@ def _resident_programs(kernel, args: tuple, consts: dict, warps: int, device: to
 
 
 def _coop_grid(kernel, args: tuple, consts: dict, warps: int, R: int, K: int, device: torch.device) -> int | None:
-    """Rows in flight (SLOTS, the last argument) for a cooperative launch of K programs per row, or
-    None if one row's programs cannot all be resident. The occupancy is read off the very
-    specialisation that will run (integer arguments equal to 1 or divisible by 16 compile apart)."""
-    slots = min(R, _resident_programs(kernel, args, consts, warps, device) // K)
-    while slots >= 1:
-        exact = min(R, _resident_programs(kernel, (*args[:-1], slots), consts, warps, device) // K)
-        if exact >= slots:
-            return slots
-        slots = exact
-    return None
+    """Programs of a cooperative launch of the R * K tasks of K pieces per row: as many as the whole GPU
+    holds at once, at most one a task, or None if one row's K programs cannot all be resident."""
+    resident = _resident_programs(kernel, args, consts, warps, device)
+    return min(R * K, resident) if resident >= K else None
+
+
+def _tasks_grid(kernel, args: tuple, c: dict, warps: int, R: int, K: int, device: torch.device) -> bool:
+    """Whether the cooperative forward takes its tasks in turn over every resident program (TASKS), or
+    runs whole rows in flight (`_fwd_coop_kernel`), by the knob `coop_tasks_fwd`: 0 never, 2 always, 1
+    where that takes fewer steps, and for logsumexp, whose piece 0 alone waits and so falls behind the
+    others when it is always the same program (H200, kernel alone, x copy, eager / GPU time: bf16 1300 x
+    50257 0.65/0.76 -> 0.70/0.86). Where the steps are as many, whole rows keep a piece's columns out of
+    the loop (bf16 2730 x 24575, 24 steps either way: 0.83 as rows, 0.82 as tasks)."""
+    knob = int(TUNING["coop_tasks_fwd"])
+    if knob != 1:
+        return knob == 2
+    if c.get("MODE") == _LOGSUMEXP:
+        return True
+    rows = (_coop_grid(kernel, args, dict(c, TASKS=False), warps, R, K, device) or 0) // K
+    tasks = _coop_grid(kernel, args, dict(c, TASKS=True), warps, R, K, device) or 0
+    return tasks >= K and (rows == 0 or cdiv(R * K, tasks) < cdiv(R, rows))
 
 
 def _coop_choose(kernel, which: str, tensors: tuple, R: int, N: int, I: int, strides: tuple, consts: dict,
                  per: int) -> tuple | None:
-    """(rows in flight, K, warps, launch options, `_COOP_CAP` key) of the plan `_coop_launch` takes, or
-    None where no plan applies.
+    """(programs, K, warps, launch options, `_COOP_CAP` key, whole rows) of the plan `_coop_launch`
+    takes, or None where no plan applies. The forward's programs may take the tasks in turn whatever
+    their number (`_tasks_grid`); the backward's are a whole number of rows in flight.
 
     The knobs' plan is taken unless it cuts rows into more than `coop_long_pieces` pieces or leaves
     fewer than `coop_min_slots` rows in flight, and a "_long" plan (longer pieces, fewer registers per
@@ -1405,43 +1480,48 @@ def _coop_choose(kernel, which: str, tensors: tuple, R: int, N: int, I: int, str
         if TUNING["coop_launch"]:
             c["launch_cooperative_grid"] = True
         words = torch.empty(64, dtype=torch.int64, device=device)  # (only its dtype and alignment count here)
-        args = (*tensors, words, words, 3, R, N, I, *strides, K, 3)  # (3: placeholders for n_clear, SLOTS)
-        slots = _coop_grid(kernel, args, c, warps, R, K, device) or 0
+        args = (*tensors, words, words, 3, R, N, I, *strides, K)  # (3: a placeholder for n_clear)
+        if "TASKS" in kernel.arg_names:
+            c["TASKS"] = _tasks_grid(kernel, args, c, warps, R, K, device)
+        programs = _coop_grid(kernel, args, c, warps, R, K, device) or 0
+        whole_rows = not c.get("TASKS", False)
+        if whole_rows:
+            programs = programs // K * K
         cap_key = (kernel.fn.__name__, K, warps, tuple(sorted(c.items())), device.index)
-        slots = min(slots, _COOP_CAP.get(cap_key, slots))
-        if chosen is None or slots > chosen[0] or (slots and K < chosen[1]):
-            chosen = (slots, K, warps, c, cap_key)
-        if slots >= min(R, int(TUNING["coop_min_slots"])) and K <= int(TUNING["coop_long_pieces"]):
+        programs = min(programs, _COOP_CAP.get(cap_key, programs))
+        if chosen is None or programs // K > chosen[0] // chosen[1] or (programs >= K and K < chosen[1]):
+            chosen = (programs, K, warps, c, cap_key, whole_rows)
+        if programs // K >= min(R, int(TUNING["coop_min_slots"])) and K <= int(TUNING["coop_long_pieces"]):
             break
     return chosen
 
 
 class _Replan(Exception):
-    """A call plan's cooperative launch was refused down to no rows in flight (`_coop_launch`): the
-    call is planned again, and `_COOP_CAP` then steers it to another path."""
+    """A call plan's cooperative launch was refused down to fewer programs than one row's pieces
+    (`_coop_launch`): the call is planned again, and `_COOP_CAP` then steers it to another path."""
 
 
 def _coop_launch(kernel, tensors: tuple, R: int, N: int, I: int, strides: tuple, chosen: tuple) -> bool:
     """Launch a cooperative kernel over `tensors` with the plan `_coop_choose` chose, with an int64
-    `[R, K]` word per piece; False if the driver refused every grid down to one row in flight (it ran
+    `[R, K]` word per piece; False if the driver refused every grid down to one row's programs (it ran
     nothing then). N and the strides count the kernel's items (`per` elements each)."""
-    slots, K, warps, c, cap_key = chosen
-    slots = min(slots, _COOP_CAP.get(cap_key, slots))
+    programs, K, warps, c, cap_key, whole_rows = chosen
+    programs = min(programs, _COOP_CAP.get(cap_key, programs))
     device = tensors[0].device
     words, other, n_other, pool = _coop_words(device, R * K)
-    while slots >= 1:
+    while programs >= K:
         try:
-            launch(kernel, (slots * K,), *tensors, words, other, n_other, R, N, I, *strides, K, slots,
+            launch(kernel, (programs,), *tensors, words, other, n_other, R, N, I, *strides, K,
                    num_warps=warps, **c)
         except RuntimeError as e:
             # the driver places fewer programs at once than `_resident_programs` counted (seen on
             # H200 while that count ignored the per-sub-partition register files: `occupancy.py`):
-            # fewer rows in flight, remembered for the next call (a refused launch is not a sticky
+            # half the programs, remembered for the next call (a refused launch is not a sticky
             # CUDA error, and it ran nothing: the words are as they were)
             if "cooperative launch" not in str(e):
                 raise
-            slots //= 2
-            _COOP_CAP[cap_key] = slots
+            programs = programs // K // 2 * K if whole_rows else programs // 2
+            _COOP_CAP[cap_key] = programs
             continue
         if pool is not None:
             pool.launched(R * K)
@@ -1456,7 +1536,7 @@ def _coop_step(kernel, which: str, tensors: tuple, R: int, N: int, I: int, strid
     takes another path). `per` > 1: the kernel loads items of `per` elements, and N and the strides
     count items."""
     chosen = _coop_choose(kernel, which, tensors, R, N, I, strides, consts, per)
-    if chosen is None or min(chosen[0], _COOP_CAP.get(chosen[4], chosen[0])) < 1:
+    if chosen is None or min(chosen[0], _COOP_CAP.get(chosen[4], chosen[0])) < chosen[1]:
         return None
 
     def step(*ts: torch.Tensor) -> None:
@@ -1503,7 +1583,7 @@ def _coop_words(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tenso
     return pool.bufs[pool.turn], pool.bufs[1 - pool.turn], pool.dirty[1 - pool.turn], pool
 
 
-# rows in flight that the driver accepted after refusing more, per kernel specialisation
+# programs that the driver accepted after refusing more, per kernel specialisation
 _COOP_CAP: dict[tuple, int] = {}
 
 

@@ -393,11 +393,14 @@ def test_kernel_out_checked_before_launch(kernels):
             kernels.logsumexp_forward(x, out=bad)
 
 
+@pytest.mark.parametrize("tasks", [0, 2], ids=["rows", "tasks"])
 @pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
-def test_kernel_cooperative_one_piece_per_row(kernels, monkeypatch, mode):
+def test_kernel_cooperative_one_piece_per_row(kernels, monkeypatch, mode, tasks):
     """The cooperative kernels under the interpreter: with one piece per row a program waits only on
     itself (more pieces would wait on programs the interpreter has not run yet; the GPU tests cover
-    those). Rows are spread over 3 programs, strided columns included."""
+    those). Rows are spread over 3 programs, strided columns included; the forward's grid as whole rows
+    and as tasks (`_tasks_grid`)."""
+    monkeypatch.setitem(kernels.TUNING, "coop_tasks_fwd", tasks)
     monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize, tier="": None if tier else (1, 1 << (N - 1).bit_length(), 4, None))
     monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: min(R, 3))
     monkeypatch.setitem(kernels.TUNING, "max_row_block", 16)
@@ -561,20 +564,18 @@ def test_kernel_aligned_rows_any_length_and_stride(data):
         assert launched == ["_fwd_rows_aligned_kernel"]
 
 
-def test_cooperative_launch_refused_takes_fewer_rows_in_flight(kernels, monkeypatch):
-    """If the driver refuses a cooperative grid as too large, the launcher halves the rows in flight
-    (remembering it) and, at zero, tells the caller (whose call plan then takes another path); other
-    errors propagate."""
+def test_cooperative_launch_refused_takes_fewer_programs(kernels, monkeypatch):
+    """If the driver refuses a cooperative grid as too large, the launcher halves the programs
+    (remembering it; the backward's stay whole rows in flight) and, below one row's pieces, tells the
+    caller (whose call plan then takes another path); other errors propagate."""
     monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize, tier="": None if tier else (2, 4, 1, None))
-    monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: 8)
+    monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: 15)
     monkeypatch.setattr(kernels, "_COOP_CAP", {})
     grids = []
 
     class FakeKernel:
-        fn = kernels._fwd_coop_kernel.fn
-        arg_names = kernels._fwd_coop_kernel.arg_names
-
-        def __init__(self, limit, message="Triton Error [CUDA]: too many blocks in cooperative launch"):
+        def __init__(self, real, limit, message="Triton Error [CUDA]: too many blocks in cooperative launch"):
+            self.fn, self.arg_names = real.fn, real.arg_names
             self.limit, self.message = limit, message
 
         def __getitem__(self, grid):
@@ -587,20 +588,47 @@ def test_cooperative_launch_refused_takes_fewer_rows_in_flight(kernels, monkeypa
     x, y = torch.zeros(16, 8), torch.zeros(16, 8)
     strides = (8, 0, 1, 8, 0, 1)
 
-    def launch(kernel, mode=0):
-        chosen = kernels._coop_choose(kernel, "fwd", (x, y), 16, 8, 1, strides, {"MODE": mode}, 1)
+    def launch(kernel, which="fwd", mode=0):
+        chosen = kernels._coop_choose(kernel, which, (x, y), 16, 8, 1, strides, {"MODE": mode}, 1)
         return kernels._coop_launch(kernel, (x, y), 16, 8, 1, strides, chosen)
 
-    assert launch(FakeKernel(6))
-    assert grids == [16, 8, 4]  # 8 and 4 rows in flight (x 2 pieces) refused, 2 accepted
-    assert list(kernels._COOP_CAP.values()) == [2]
+    fwd, bwd = kernels._fwd_coop_kernel, kernels._bwd_coop_kernel
+    monkeypatch.setitem(kernels.TUNING, "coop_tasks_fwd", 2)
+    assert launch(FakeKernel(fwd, 6))
+    assert grids == [15, 7, 3]  # the forward takes any number of programs (here of 2 pieces a row)
+    assert list(kernels._COOP_CAP.values()) == [3]
     grids.clear()
-    assert launch(FakeKernel(6))
-    assert grids == [4]  # straight to the remembered 2 rows in flight
-    assert not launch(FakeKernel(0))
-    assert kernels._coop_step(FakeKernel(0), "fwd", (x, y), 16, 8, 1, strides, {"MODE": 0}) is None  # (cap 0)
+    assert launch(FakeKernel(fwd, 6))
+    assert grids == [3]  # straight to the remembered count
+    grids.clear()
+    assert not launch(FakeKernel(fwd, 0))
+    assert grids == [3]  # then 1 program, too few for a row of 2 pieces: nothing launched
+    assert kernels._coop_step(FakeKernel(fwd, 0), "fwd", (x, y), 16, 8, 1, strides, {"MODE": 0}) is None  # (cap 1)
+    grids.clear()
+    assert launch(FakeKernel(bwd, 6), "bwd")
+    assert grids == [14, 6]  # the backward: whole rows in flight, 7 then 3
+    grids.clear()
+    monkeypatch.setitem(kernels.TUNING, "coop_tasks_fwd", 0)
+    assert launch(FakeKernel(fwd, 6))
+    assert grids == [14, 6]  # so is the forward without tasks
     with pytest.raises(RuntimeError, match="out of memory"):
-        launch(FakeKernel(0, "CUDA out of memory"), mode=1)
+        launch(FakeKernel(fwd, 0, "CUDA out of memory"), mode=1)
+
+
+@pytest.mark.parametrize("R, K, resident, mode, knob, want", [
+    pytest.param(512, 64, 1584, 0, 1, True, id="512x64-fewer-steps"),  # 24 rows a step: 22 steps; tasks: 21
+    pytest.param(1300, 25, 1584, 0, 1, False, id="1300x25-as-many"),  # 63 rows: 21 steps; tasks: 21
+    pytest.param(1300, 25, 1584, 2, 1, True, id="1300x25-logsumexp"),  # piece 0 waits: its role rotates
+    pytest.param(512, 64, 1584, 0, 0, False, id="knob-0"),
+    pytest.param(1300, 25, 1584, 0, 2, True, id="knob-2"),
+    pytest.param(10, 4, 6, 0, 1, True, id="one-row-in-flight"),  # 1 row a step: 10 steps; tasks: 7
+])
+def test_tasks_grid_where_it_takes_fewer_steps(kernels, monkeypatch, R, K, resident, mode, knob, want):
+    """The forward takes its tasks in turn over every resident program where that takes fewer steps
+    than whole rows in flight, and always for logsumexp (MODE 2), unless the knob says otherwise."""
+    monkeypatch.setitem(kernels.TUNING, "coop_tasks_fwd", knob)
+    monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: min(R * K, resident))
+    assert kernels._tasks_grid(kernels._fwd_coop_aligned_kernel, (), {"MODE": mode}, 1, R, K, None) is want
 
 
 def test_call_plan_built_again_after_refused_launch(kernels):
@@ -979,6 +1007,54 @@ def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, pi
     judge_against("dx", dx, x, dim, mode, dtype, g=g)
 
 
+STRADDLE_CASES = [  # rows, cols, dim, dtype, the modes that take the cooperative forward there
+    pytest.param(37, 32768, -1, torch.bfloat16, MODES[:2], id="37x32768-bf16"),  # pairs, no column mask (EVEN)
+    pytest.param(37, 40000, -1, torch.bfloat16, MODES[:2], id="37x40000-bf16"),  # pairs, masked last piece
+    pytest.param(29, 40001, -1, torch.bfloat16, MODES, id="29x40001-bf16"),  # aligned, words of two
+    pytest.param(23, 40003, -1, torch.float32, MODES[:2], id="23x40003-fp32"),  # aligned
+    pytest.param(9, 40001, 0, torch.float32, MODES[:2], id="9x40001-dim0-fp32"),  # strided columns
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [3, -1], ids=["K+3", "2K-1"])
+@pytest.mark.parametrize("rows,cols,dim,dtype,modes", STRADDLE_CASES)
+def test_gpu_cooperative_tasks_straddle_steps(monkeypatch, rows, cols, dim, dtype, modes, extra):
+    """The cooperative forward with a grid that is no whole number of rows (K + 3 or 2K - 1 programs
+    for K pieces a row): rows straddle two steps and a program's piece changes from task to task
+    (`_next_task`). Right (all -inf rows included), and bit for bit the default grid's output."""
+    from ringlse.kernels import softmax as ks
+
+    knobs = {"max_row_block": 16, "max_row_block_16": 16, "coop_max_pieces": 1 << 20, "coop_min_rows": 1,
+             "lookback_fwd": 0, "aligned_rows": 0, "coop_piece_fwd": 2048, "coop_warps_fwd": 2,
+             "coop_piece_fwd_16": 2048, "coop_warps_fwd_16": 1, "coop_min_pieces_fwd_16": 0,
+             "coop_min_slots": 1,  # (one row in flight is enough: no "_long" plan is tried)
+             "coop_tasks_fwd": 2}
+    for key, value in knobs.items():
+        monkeypatch.setitem(ks.TUNING, key, value)
+    shape = (rows, cols) if dim == -1 else (cols, rows)
+    x = make_x(shape, dim, dtype, scale=3.0, seed=24, device="cuda")
+    want = [kernel_forward(ks, mode, x, dim) for mode in modes]
+    grids = []
+    real = ks._coop_grid
+
+    def few(kernel, args, consts, warps, R, K, device):
+        grids.append((real(kernel, args, consts, warps, R, K, device), K))
+        return K + extra if extra > 0 else 2 * K + extra
+
+    monkeypatch.setattr(ks, "_coop_grid", few)
+    ks._CALL_PLANS.clear()
+    launches = spy_launches(monkeypatch, ks)
+    for mode, w in zip(modes, want):
+        got = kernel_forward(ks, mode, x, dim)
+        assert launches[-1][0].startswith("_fwd_coop_") and launches[-1][1]["TASKS"]
+        full, K = grids[-1]
+        assert K > 2 and full >= 2 * K and rows * K > 4 * (K + 3), (full, K)  # many steps, each of a part row
+        judge_against("lse" if mode == "logsumexp" else "fwd", got, x, dim, mode, dtype)
+        assert torch.equal(got, w)
+    assert len(launches) == len(modes)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
 @pytest.mark.parametrize("rows,cols,dtype", [
@@ -1061,10 +1137,10 @@ def test_gpu_occupancy_rules_match_driver():
     seen = set()
     for piece, warps, nreg, pack in [(2048, 1, None, 1), (2048, 1, 168, 1), (1024, 2, None, 0), (4096, 4, 128, 0),
                                      (8192, 8, None, 0), (2048, 2, 96, 2)]:
-        consts = dict(MODE=0, PIECE=piece // (2 if pack else 1), KB=4, COL64=False, PACK=pack, ASM=True, EVEN=True)
+        consts = dict(MODE=0, PIECE=piece // (2 if pack else 1), KB=4, COL64=False, PACK=pack, ASM=True, EVEN=True, TASKS=True)
         if nreg:
             consts["maxnreg"] = nreg
-        args = (x, x, words, words, 3, 64, 4096 if pack else 8192, 1, 8192, 0, 1, 8192, 0, 1, 4, 3)
+        args = (x, x, words, words, 3, 64, 4096 if pack else 8192, 1, 8192, 0, 1, 8192, 0, 1, 4)
         compiled = ks._fwd_coop_kernel.warmup(*args, grid=(1,), num_warps=warps, **consts)
         compiled._init_handles()
         driver = blocks_per_sm_by_driver(compiled.function, warps, compiled.metadata.shared)
@@ -1089,9 +1165,9 @@ def test_gpu_cooperative_long_tier_for_rows_that_fit_once(monkeypatch):
     real = ks._coop_grid
 
     def spy(kernel, args, consts, warps, R, K, device):
-        slots = real(kernel, args, consts, warps, R, K, device)
-        chosen.append((consts["PIECE"], slots))
-        return slots
+        programs = real(kernel, args, consts, warps, R, K, device)
+        chosen.append((consts["PIECE"], programs // K))  # rows in flight
+        return programs
 
     monkeypatch.setattr(ks, "_coop_grid", spy)
     x = make_x((8, 1 << 20), -1, torch.float32, scale=3.0, seed=19, device="cuda")
