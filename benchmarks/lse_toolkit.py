@@ -267,11 +267,14 @@ def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
                  [{f"coop_{which}": 0}] + [{f"coop_{which}": 1, f"coop_piece_{which}": p, f"coop_warps_{which}": w}
                                           for p, w in ((1024, 2), (2048, 4), (4096, 4), (4096, 8))],
                  coop_cases, which)
-        # the plan for rows that fit once in flight with the pieces above (`_coop_launch`)
+        # the plan for rows that fit once in flight with the pieces above (`_coop_launch`); rows of 2M
+        # too: uncapped, their 512 pieces are more programs than the GPU holds at once, so they leave
+        # the cooperative kernel (H200, 32 x 2M: 0.90 -> 0.59x copy), which 64 x 1M alone, where the
+        # variants tie, does not show
         pick("cooperative, rows of 1M (fwd)",
              [{"coop_piece_fwd_long": p, "coop_warps_fwd_long": w, "coop_maxnreg_fwd_long": r}
               for p, w, r in ((4096, 4, 128), (8192, 8, 128), (4096, 4, None))],
-             coop_cases[2:], "fwd")
+             coop_cases[2:] + [(TOTAL >> 21, 1 << 21)], "fwd")
         # 2-byte rows, read as pairs: the register cap sets how many programs an SM holds. Rows off
         # 16-byte boundaries too (too long for the row kernels), softmax and logsumexp (its MODE 2): the
         # knobs serve them as well, and variants that tie on the first two cases differ there (H200,

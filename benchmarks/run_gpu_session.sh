@@ -31,7 +31,7 @@ if [[ $what == final || $what == all ]]; then
     step 260 ring-bench torchrun --nproc_per_node="$n" benchmarks/ring.py --out "$out" --budget-s 0.25
 fi
 if [[ $what == lse ]]; then  # the LSE toolkit alone (tests, then the benchmark)
-    step 160 lse-gpu-tests python3 -m pytest tests/test_lse_toolkit.py -q -m gpu -p no:cacheprovider
+    step 320 lse-gpu-tests python3 -m pytest tests/test_lse_toolkit.py -q -m gpu -p no:cacheprovider
     step 300 lse-bench python3 benchmarks/lse_toolkit.py --out "$out"
 fi
 if [[ $what == ring ]]; then  # the ring alone: tests (copy-engine and NCCL transports), verification, benchmark
