@@ -1453,8 +1453,8 @@ def _tasks_grid(kernel, args: tuple, c: dict, warps: int, R: int, K: int, device
 
 def _coop_choose(kernel, which: str, tensors: tuple, R: int, N: int, I: int, strides: tuple, consts: dict,
                  per: int) -> tuple | None:
-    """(programs, K, warps, launch options, `_COOP_CAP` key, whole rows) of the plan `_coop_launch`
-    takes, or None where no plan applies. The forward's programs may take the tasks in turn whatever
+    """(programs, K, warps, launch options, `_COOP_CAP` key) of the plan `_coop_launch` takes, or None
+    where no plan applies. The forward's programs may take the tasks in turn whatever
     their number (`_tasks_grid`); the backward's are a whole number of rows in flight.
 
     The knobs' plan is taken unless it cuts rows into more than `coop_long_pieces` pieces or leaves
@@ -1484,13 +1484,12 @@ def _coop_choose(kernel, which: str, tensors: tuple, R: int, N: int, I: int, str
         if "TASKS" in kernel.arg_names:
             c["TASKS"] = _tasks_grid(kernel, args, c, warps, R, K, device)
         programs = _coop_grid(kernel, args, c, warps, R, K, device) or 0
-        whole_rows = not c.get("TASKS", False)
-        if whole_rows:
+        if not c.get("TASKS"):
             programs = programs // K * K
         cap_key = (kernel.fn.__name__, K, warps, tuple(sorted(c.items())), device.index)
         programs = min(programs, _COOP_CAP.get(cap_key, programs))
         if chosen is None or programs // K > chosen[0] // chosen[1] or (programs >= K and K < chosen[1]):
-            chosen = (programs, K, warps, c, cap_key, whole_rows)
+            chosen = (programs, K, warps, c, cap_key)
         if programs // K >= min(R, int(TUNING["coop_min_slots"])) and K <= int(TUNING["coop_long_pieces"]):
             break
     return chosen
@@ -1505,7 +1504,7 @@ def _coop_launch(kernel, tensors: tuple, R: int, N: int, I: int, strides: tuple,
     """Launch a cooperative kernel over `tensors` with the plan `_coop_choose` chose, with an int64
     `[R, K]` word per piece; False if the driver refused every grid down to one row's programs (it ran
     nothing then). N and the strides count the kernel's items (`per` elements each)."""
-    programs, K, warps, c, cap_key, whole_rows = chosen
+    programs, K, warps, c, cap_key = chosen
     programs = min(programs, _COOP_CAP.get(cap_key, programs))
     device = tensors[0].device
     words, other, n_other, pool = _coop_words(device, R * K)
@@ -1520,7 +1519,7 @@ def _coop_launch(kernel, tensors: tuple, R: int, N: int, I: int, strides: tuple,
             # CUDA error, and it ran nothing: the words are as they were)
             if "cooperative launch" not in str(e):
                 raise
-            programs = programs // K // 2 * K if whole_rows else programs // 2
+            programs = programs // 2 if c.get("TASKS") else programs // K // 2 * K
             _COOP_CAP[cap_key] = programs
             continue
         if pool is not None:
