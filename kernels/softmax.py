@@ -54,13 +54,14 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 import triton
 import triton.language as tl
 
 from ringlse.kernels.host import cdiv, next_power_of_2
-from ringlse.kernels.launch import _raw_stream, launch
+from ringlse.kernels.launch import FREE, BoundLaunch, _raw_stream
 from ringlse.kernels.occupancy import blocks_per_sm_by_driver, blocks_per_sm_by_rules
 
 # constexpr globals: the only kind a @triton.jit function may read
@@ -1216,29 +1217,84 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: any small number exercises the same paths
 
 
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-
-
 @functools.cache
 def _bulk_prefetch(device: torch.device) -> bool:
     """Whether kernels on `device` can ask for bulk prefetches into L2 (`_prefetch_to_l2`: sm_90 on)."""
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def _row_counters(device: torch.device, R: int) -> torch.Tensor:
-    """At least `R` int32 counters that are 0 now; the kernel that uses them leaves them 0 again.
+class _WordPool:
+    """Two int64 word buffers, used by turns. A cooperative launch takes the buffer whose words are all
+    -1 and resets the words that the launch before it (on the other buffer) left published; so no
+    launch needs a fill of its own (a kernel, and on H200 ~2.5 us of GPU time between the L2 flush and
+    the kernel in a `do_bench` call)."""
 
-    On a GPU they are kept per stream and reused, which saves a fill launch per call (host time is
-    what small inputs pay for); kernels on one stream run in order, so they never share counters
-    with a kernel in flight. Under graph capture, or on CPU, they are fresh zeros.
-    """
+    def __init__(self, device: torch.device, n: int):
+        self.bufs = torch.full((2, n), -1, dtype=torch.int64, device=device).unbind(0)
+        self.dirty = [0, 0]  # words left published in each buffer
+        self.turn = 0
+
+    def launched(self, n: int) -> None:
+        self.dirty[self.turn], self.dirty[1 - self.turn] = n, 0
+        self.turn = 1 - self.turn
+
+
+class _Workspace:
+    """Scratch memory that the launches of one (device, stream, thread) reuse call after call: row
+    counters (every kernel that counts on them leaves them at 0), float32 partial buffers, and the
+    cooperative kernels' word buffers.
+
+    Why: an allocation per call costs host time (`torch.empty` of a 3-D buffer and its `unbind`: ~6 us
+    on the H200 host), a fill costs a launch, and host time is what small inputs pay for. Kernels on one
+    stream run in order, so a kernel never shares scratch with a kernel in flight. One per thread too:
+    two threads on one stream interleave their launches (a call's stats kernel and the kernel that
+    reads its partials could be split by another call's), and the word buffers' turns are host state.
+    Buffers replaced or dropped are freed to the caching allocator, which hands them out again on
+    this stream only after the kernels queued before on it."""
+
+    def __init__(self):
+        self.counters: torch.Tensor | None = None
+        self.partials: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        self.words: _WordPool | None = None
+
+
+_WORKSPACES: dict[tuple[int, int, int], _Workspace] = {}
+
+
+def _workspace(device: torch.device) -> _Workspace | None:
+    """The workspace of the current stream and thread on `device`; None under graph capture (a graph
+    replays its launches with the buffers of its capture: they must be its own) and on CPU (the
+    interpreter), where the scratch is fresh each call."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    key = (device.index, _raw_stream(device.index), threading.get_ident())
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        if len(_WORKSPACES) >= 64:  # (threads come and go; their ids are reused)
+            _WORKSPACES.clear()
+        ws = _WORKSPACES[key] = _Workspace()
+    return ws
+
+
+def _row_counters(ws: _Workspace | None, device: torch.device, R: int) -> torch.Tensor:
+    """At least `R` int32 counters that are 0 now; the kernel that uses them leaves them 0 again."""
+    if ws is None:
         return torch.zeros(R, dtype=torch.int32, device=device)
-    key = (device.index, _raw_stream(device.index))
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < R:
-        buf = _COUNTERS[key] = torch.zeros(max(R, 1024), dtype=torch.int32, device=device)
-    return buf
+    if ws.counters is None or ws.counters.numel() < R:
+        ws.counters = torch.zeros(max(R, 1024), dtype=torch.int32, device=device)
+    return ws.counters
+
+
+def _partials(ws: _Workspace | None, device: torch.device, n: int, R: int, K: int) -> tuple[torch.Tensor, ...]:
+    """`n` float32 `[R, K]` buffers (contents undefined) for a call's kernels to pass partial results."""
+    if ws is None:
+        return torch.empty((n, R, K), dtype=torch.float32, device=device).unbind(0)
+    bufs = ws.partials.get((n, R, K))
+    if bufs is None:
+        if len(ws.partials) >= 16:
+            ws.partials.clear()
+        bufs = ws.partials[(n, R, K)] = torch.empty((n, R, K), dtype=torch.float32, device=device).unbind(0)
+    return bufs
 
 
 def _fold_rows(t: torch.Tensor) -> tuple[int, int, int, int, int] | None:
@@ -1500,18 +1556,24 @@ class _Replan(Exception):
     (`_coop_launch`): the call is planned again, and `_COOP_CAP` then steers it to another path."""
 
 
-def _coop_launch(kernel, tensors: tuple, R: int, N: int, I: int, strides: tuple, chosen: tuple) -> bool:
+def _coop_launch(kernel, tensors: tuple, R: int, N: int, I: int, strides: tuple, chosen: tuple,
+                 bound: dict[int, BoundLaunch] | None = None) -> bool:
     """Launch a cooperative kernel over `tensors` with the plan `_coop_choose` chose, with an int64
     `[R, K]` word per piece; False if the driver refused every grid down to one row's programs (it ran
-    nothing then). N and the strides count the kernel's items (`per` elements each)."""
+    nothing then). N and the strides count the kernel's items (`per` elements each). `bound`: the
+    plan's launches by their number of programs, kept from call to call."""
     programs, K, warps, c, cap_key = chosen
     programs = min(programs, _COOP_CAP.get(cap_key, programs))
     device = tensors[0].device
-    words, other, n_other, pool = _coop_words(device, R * K)
+    words, other, n_other, pool = _coop_words(_workspace(device), device, R * K)
+    bound = {} if bound is None else bound
     while programs >= K:
+        go = bound.get(programs)
+        if go is None:
+            go = bound[programs] = BoundLaunch(kernel, (programs,), *[FREE] * (len(tensors) + 3), R, N, I,
+                                               *strides, K, num_warps=warps, **c)
         try:
-            launch(kernel, (programs,), *tensors, words, other, n_other, R, N, I, *strides, K,
-                   num_warps=warps, **c)
+            go(*tensors, words, other, n_other)
         except RuntimeError as e:
             # the driver places fewer programs at once than `_resident_programs` counted (seen on
             # H200 while that count ignored the per-sub-partition register files: `occupancy.py`):
@@ -1538,47 +1600,26 @@ def _coop_step(kernel, which: str, tensors: tuple, R: int, N: int, I: int, strid
     if chosen is None or min(chosen[0], _COOP_CAP.get(chosen[4], chosen[0])) < chosen[1]:
         return None
 
+    bound: dict[int, BoundLaunch] = {}
+
     def step(*ts: torch.Tensor) -> None:
-        if not _coop_launch(kernel, ts, R, N, I, strides, chosen):
+        if not _coop_launch(kernel, ts, R, N, I, strides, chosen, bound):
             raise _Replan
 
     return step
 
 
-class _WordPool:
-    """Two int64 word buffers of one stream, used by turns. A cooperative launch takes the buffer
-    whose words are all -1 and resets the words that the launch before it (on the other buffer) left
-    published; so no launch needs a fill of its own (a kernel, and on H200 ~2.5 us of GPU time between
-    the L2 flush and the kernel in a `do_bench` call). Kernels on one stream run in order: a launch
-    never touches a buffer a kernel in flight uses."""
-
-    def __init__(self, device: torch.device, n: int):
-        self.bufs = torch.full((2, n), -1, dtype=torch.int64, device=device).unbind(0)
-        self.dirty = [0, 0]  # words left published in each buffer
-        self.turn = 0
-
-    def launched(self, n: int) -> None:
-        self.dirty[self.turn], self.dirty[1 - self.turn] = n, 0
-        self.turn = 1 - self.turn
-
-
-_WORDS: dict[tuple[int, int], _WordPool] = {}
-
-
-def _coop_words(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor, int, _WordPool | None]:
+def _coop_words(ws: _Workspace | None, device: torch.device, n: int
+                ) -> tuple[torch.Tensor, torch.Tensor, int, _WordPool | None]:
     """(words, other, n_other, pool) for a cooperative launch of `n` words: `words` all -1, `other`
     with its first `n_other` words for the launch to reset, and the pool to tell once launched (None:
-    nothing to tell). Under graph capture, or on CPU (the interpreter), the words are fresh: a graph
-    replays its launches with the buffers of its capture, so turns taken at capture would repeat."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    nothing to tell; fresh words where there is no workspace)."""
+    if ws is None:
         words = torch.full((n,), -1, dtype=torch.int64, device=device)
         return words, words, 0, None
-    key = (device.index, _raw_stream(device.index))
-    pool = _WORDS.get(key)
+    pool = ws.words
     if pool is None or pool.bufs[0].numel() < n:
-        # (the buffers it replaces are freed to the caching allocator, which hands them out again on
-        # this stream only after the kernels queued before on it)
-        pool = _WORDS[key] = _WordPool(device, max(cdiv(n, 64) * 64, 4096))  # (16-byte aligned halves)
+        pool = ws.words = _WordPool(device, max(cdiv(n, 64) * 64, 4096))  # (16-byte aligned halves)
     return pool.bufs[pool.turn], pool.bufs[1 - pool.turn], pool.dirty[1 - pool.turn], pool
 
 
@@ -1626,8 +1667,8 @@ def _aligned_forward_step(xm: torch.Tensor, y: torch.Tensor, R: int, N: int, I: 
         warps, cap = TUNING["aligned_rows_warps"] or max(2, min(32, block // 1024)), {}
         if xm.is_cuda and ve == 8 and block >= int(TUNING["aligned_rows_wide_16"]) and not TUNING["aligned_rows_warps"]:
             warps, cap = block // 2048, dict(maxnreg=int(TUNING["aligned_rows_wide_maxnreg"]))
-        return lambda xm, y: launch(_fwd_rows_aligned_kernel, (R,), xm, y, I, *strides, N, MODE=mode, BLOCK=block,
-                                    VE=ve, num_warps=int(warps), **cap)
+        return BoundLaunch(_fwd_rows_aligned_kernel, (R,), FREE, FREE, I, *strides, N, MODE=mode, BLOCK=block,
+                           VE=ve, num_warps=int(warps), **cap)
     words = {torch.bfloat16: 1, torch.float16: 2}.get(xm.dtype, 0)
     return _coop_step(
         # SPAN: the units of a row's whole vectors, at most (4 per vector; a row inside one: a piece)
@@ -1665,11 +1706,13 @@ def _lookback_step(kernel, which: str, tensors: tuple, n_partials: int, R: int, 
     consts = dict(consts, KB=next_power_of_2(K), BLOCK_N=block)
     warps = int(TUNING["lb_warps"])
 
+    go = BoundLaunch(kernel, (2 * n_groups * group_rows * K,), *[FREE] * (len(tensors) + n_partials + 1), R, N, I,
+                     *strides, piece, K, group_rows, n_groups, num_warps=warps, **consts)
+
     def step(*ts: torch.Tensor) -> None:
         device = ts[0].device
-        partials = torch.empty((n_partials, R, K), dtype=torch.float32, device=device).unbind(0)
-        launch(kernel, (2 * n_groups * group_rows * K,), *ts, *partials, _row_counters(device, 2 * R), R, N, I,
-               *strides, piece, K, group_rows, n_groups, num_warps=warps, **consts)
+        ws = _workspace(device)
+        go(*ts, *_partials(ws, device, n_partials, R, K), _row_counters(ws, device, 2 * R))
 
     return step
 
@@ -1721,10 +1764,11 @@ def _forward_step(xm: torch.Tensor, ym: torch.Tensor, R: int, N: int, I: int, st
     if short:
         block_r, block_n = _short_tile(R, N)
         grid, warps = (cdiv(R, block_r),), _row_warps(block_r * block_n)
-        return lambda xm, ym: launch(
-            _fwd_rows_kernel, grid, xm, ym, xm, R, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n,
+        go = BoundLaunch(
+            _fwd_rows_kernel, grid, FREE, FREE, FREE, R, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n,
             MODE=mode, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=warps,
         )
+        return lambda xm, ym: go(xm, ym, xm)  # (no lse: any pointer)
     if (pack := _pair_pack(xm, ym, N, (sx_o, sx_i, sy_o, sy_i), (sx_n, sy_n))) and (step := _coop_step(
         _fwd_coop_kernel, "fwd", (xm, ym), R, N // 2, I, (sx_o // 2, sx_i // 2, 1, sy_o // 2, sy_i // 2, 1),
         dict(MODE=mode, COL64=col64, PACK=pack, ASM=os.environ.get("TRITON_INTERPRET") != "1"), per=2,
@@ -1738,19 +1782,22 @@ def _forward_step(xm: torch.Tensor, ym: torch.Tensor, R: int, N: int, I: int, st
     n_pieces, piece, chunk = _split(R, N, xm.device)
     warps = int(TUNING["chunk_warps"])
 
+    stats = BoundLaunch(
+        _fwd_stats_kernel, (R, n_pieces), FREE, FREE, FREE, FREE, FREE, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
+        OUT=0, NP_BLOCK=1, BLOCK_N=chunk, COL64=col64, num_warps=warps,
+    )
+    normalise = BoundLaunch(
+        _fwd_long_kernel, (R, n_pieces), FREE, FREE, FREE, FREE, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, piece,
+        n_pieces, MODE=mode, FUSED=n_pieces == 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk,
+        COL64=col64, num_warps=warps,
+    )
+
     def split(xm: torch.Tensor, ym: torch.Tensor) -> None:
         pm = ps = xm  # unused placeholders when fused
         if n_pieces > 1:
-            pm, ps = torch.empty((2, R, n_pieces), dtype=torch.float32, device=xm.device).unbind(0)
-            launch(
-                _fwd_stats_kernel, (R, n_pieces), xm, pm, ps, pm, pm, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
-                OUT=0, NP_BLOCK=1, BLOCK_N=chunk, COL64=col64, num_warps=warps,
-            )
-        launch(
-            _fwd_long_kernel, (R, n_pieces), xm, ym, pm, ps, N, I, sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, piece,
-            n_pieces, MODE=mode, FUSED=n_pieces == 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk,
-            COL64=col64, num_warps=warps,
-        )
+            pm, ps = _partials(_workspace(xm.device), xm.device, 2, R, n_pieces)
+            stats(xm, pm, ps, pm, pm)
+        normalise(xm, ym, pm, ps)
 
     return split
 
@@ -1812,24 +1859,28 @@ def _logsumexp_step(xm: torch.Tensor, R: int, N: int, I: int, strides: tuple):
     if N <= int(TUNING["max_row_block"]):
         block_r, block_n = _short_tile(R, N)
         grid, warps = (cdiv(R, block_r),), _row_warps(block_r * block_n)
-        return lambda xm, lse: launch(
-            _fwd_rows_kernel, grid, xm, xm, lse, R, N, I, sx_o, sx_i, sx_n, 0, 0, 0,
+        go = BoundLaunch(
+            _fwd_rows_kernel, grid, FREE, FREE, FREE, R, N, I, sx_o, sx_i, sx_n, 0, 0, 0,
             MODE=_LOGSUMEXP, BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=warps,
         )
+        return lambda xm, lse: go(xm, xm, lse)  # (no y: any pointer)
     n_pieces, piece, chunk = _split(R, N, xm.device)
     warps = int(TUNING["chunk_warps"])
 
+    # one launch either way: a row of one piece writes its lse; a split row's last piece merges
+    stats = BoundLaunch(
+        _fwd_stats_kernel, (R, n_pieces), FREE, FREE, FREE, FREE, FREE, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
+        OUT=2 if n_pieces > 1 else 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk, COL64=col64,
+        num_warps=warps,
+    )
+
     def split(xm: torch.Tensor, lse: torch.Tensor) -> None:
-        # one launch either way: a row of one piece writes its lse; a split row's last piece merges
-        pm = ps = cnt = lse  # (unused when one piece)
         if n_pieces > 1:
-            pm, ps = torch.empty((2, R, n_pieces), dtype=torch.float32, device=xm.device).unbind(0)
-            cnt = _row_counters(xm.device, R)
-        launch(
-            _fwd_stats_kernel, (R, n_pieces), xm, pm, ps, lse, cnt, N, I, sx_o, sx_i, sx_n, piece, n_pieces,
-            OUT=2 if n_pieces > 1 else 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk, COL64=col64,
-            num_warps=warps,
-        )
+            ws = _workspace(xm.device)
+            pm, ps = _partials(ws, xm.device, 2, R, n_pieces)
+            stats(xm, pm, ps, lse, _row_counters(ws, xm.device, R))
+        else:
+            stats(xm, lse, lse, lse, lse)  # (partials and counters unused: any pointer)
 
     return split
 
@@ -1892,8 +1943,8 @@ def _backward_step(ym: torch.Tensor, gm: torch.Tensor, dm: torch.Tensor, R: int,
     if short:
         block_r, block_n = _short_tile(R, N)
         grid, warps = (cdiv(R, block_r),), _row_warps(block_r * block_n)
-        return lambda ym, gm, dm: launch(
-            _bwd_rows_kernel, grid, ym, gm, dm, R, N, I, *strides, LOG=log, BLOCK_R=block_r, BLOCK_N=block_n,
+        return BoundLaunch(
+            _bwd_rows_kernel, grid, FREE, FREE, FREE, R, N, I, *strides, LOG=log, BLOCK_R=block_r, BLOCK_N=block_n,
             COL64=col64, num_warps=warps,
         )
     if step := _coop_step(_bwd_coop_kernel, "bwd", (ym, gm, dm), R, N, I, strides, dict(LOG=log, COL64=col64)):
@@ -1903,18 +1954,21 @@ def _backward_step(ym: torch.Tensor, gm: torch.Tensor, dm: torch.Tensor, R: int,
     n_pieces, piece, chunk = _split(R, N, ym.device)
     warps = int(TUNING["chunk_warps"])
 
+    sums = BoundLaunch(
+        _bwd_partial_kernel, (R, n_pieces), FREE, FREE, FREE, N, I, *strides[:6], piece, n_pieces,
+        LOG=log, BLOCK_N=chunk, COL64=col64, num_warps=warps,
+    )
+    write = BoundLaunch(
+        _bwd_long_kernel, (R, n_pieces), FREE, FREE, FREE, FREE, N, I, *strides, piece, n_pieces, LOG=log,
+        FUSED=n_pieces == 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk, COL64=col64, num_warps=warps,
+    )
+
     def split(ym: torch.Tensor, gm: torch.Tensor, dm: torch.Tensor) -> None:
-        part = ym
+        part = ym  # (unused when fused)
         if n_pieces > 1:
-            part = torch.empty((R, n_pieces), dtype=torch.float32, device=ym.device)
-            launch(
-                _bwd_partial_kernel, (R, n_pieces), ym, gm, part, N, I, *strides[:6], piece, n_pieces,
-                LOG=log, BLOCK_N=chunk, COL64=col64, num_warps=warps,
-            )
-        launch(
-            _bwd_long_kernel, (R, n_pieces), ym, gm, dm, part, N, I, *strides, piece, n_pieces, LOG=log,
-            FUSED=n_pieces == 1, NP_BLOCK=next_power_of_2(n_pieces), BLOCK_N=chunk, COL64=col64, num_warps=warps,
-        )
+            (part,) = _partials(_workspace(ym.device), ym.device, 1, R, n_pieces)
+            sums(ym, gm, part)
+        write(ym, gm, dm, part)
 
     return split
 
@@ -1973,16 +2027,16 @@ def _logsumexp_backward_plan(x: torch.Tensor, lse: torch.Tensor, g: torch.Tensor
     block_r = max(1, min(int(TUNING["tile"]) // block_n, next_power_of_2(R)))
     n_col_tiles = cdiv(N, block_n)
     grid, warps, col64 = (cdiv(R, block_r) * n_col_tiles,), _row_warps(block_r * block_n), _col64(N, sx_n, sd_n)
+    go = BoundLaunch(
+        _lse_bwd_kernel, grid, FREE, FREE, FREE, FREE, R, N, I, sx_o, sx_i, sx_n, sd_o, sd_i, sd_n, n_col_tiles,
+        BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=warps,
+    )
 
     def plan(x: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None, dim: int) -> torch.Tensor:
         xm = _input_view(x, dim, copy)
         dm, target = _output_view(out, xm, dim, x.dtype, direct, dense)
         if R and N:
-            launch(
-                _lse_bwd_kernel, grid, xm, lse.reshape(R).to(torch.float32).contiguous(), g.reshape(R).contiguous(),
-                dm, R, N, I, sx_o, sx_i, sx_n, sd_o, sd_i, sd_n, n_col_tiles,
-                BLOCK_R=block_r, BLOCK_N=block_n, COL64=col64, num_warps=warps,
-            )
+            go(xm, lse.reshape(R).to(torch.float32).contiguous(), g.reshape(R).contiguous(), dm)
         return _finish(dm, dim, target)
 
     return plan

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -279,14 +280,15 @@ def fresh_call_plans():
 
 
 def spy_launches(monkeypatch, ks) -> list[tuple[str, dict]]:
-    """`(kernel name, constexprs)` of every launch the softmax launchers make from now on."""
-    launched, real = [], ks.launch
+    """`(kernel name, constexprs)` of every launch the softmax launchers make from now on (all of them
+    go through their plans' `BoundLaunch`es)."""
+    launched, real = [], ks.BoundLaunch.__call__
 
-    def spy(kernel, grid, *args, **kw):
-        launched.append((kernel.fn.__name__, kw))
-        return real(kernel, grid, *args, **kw)
+    def spy(bound, *free):
+        launched.append((bound.kernel.fn.__name__, bound.consts))
+        return real(bound, *free)
 
-    monkeypatch.setattr(ks, "launch", spy)
+    monkeypatch.setattr(ks.BoundLaunch, "__call__", spy)
     return launched
 
 
@@ -509,14 +511,7 @@ def test_kernel_aligned_rows(kernels, monkeypatch, mode, dtype, shape, cut, alig
     """Short rows off 16-byte boundaries, one per program, in 16-byte vectors and their ends element by
     element (`_fwd_rows_aligned_kernel`), under the interpreter: -inf entries, all -inf rows, values
     x100; rows on the boundaries, or with a base pointer off them, keep the row kernel."""
-    launched = []
-    real_launch = kernels.launch
-
-    def spy(kern, grid, *args, **consts):
-        launched.append(kern.fn.__name__)
-        return real_launch(kern, grid, *args, **consts)
-
-    monkeypatch.setattr(kernels, "launch", spy)
+    launches = spy_launches(monkeypatch, kernels)
     monkeypatch.setitem(kernels.TUNING, "aligned_rows_min_cols", 1)  # (the small rows take it too)
     for scale in (3.0, 100.0):
         x = make_x(shape, -1, dtype, scale=scale, seed=31)
@@ -524,7 +519,7 @@ def test_kernel_aligned_rows(kernels, monkeypatch, mode, dtype, shape, cut, alig
         judge_against("fwd", kernel_forward(kernels, mode, x, -1), x, -1, mode, dtype)
     aligned = aligned is True or (aligned == "lse" and mode == "logsumexp")
     want = "_fwd_rows_aligned_kernel" if aligned else "_fwd_rows_kernel"
-    assert launched == [want, want]
+    assert [name for name, _ in launches] == [want, want]
 
 
 @settings(max_examples=60, deadline=None)
@@ -545,8 +540,8 @@ def test_kernel_aligned_rows_any_length_and_stride(data):
     x = make_x((rows, cols + gap), -1, dtype, scale=data.draw(st.sampled_from([1.0, 30.0]), "scale"),
                seed=data.draw(st.integers(0, 1 << 16), "seed"))[:, :cols]
     launched = []
-    real_launch, saved = ks.launch, dict(ks.TUNING)
-    ks.launch = lambda kern, grid, *a, **k: launched.append(kern.fn.__name__) or real_launch(kern, grid, *a, **k)
+    real_call, saved = ks.BoundLaunch.__call__, dict(ks.TUNING)
+    ks.BoundLaunch.__call__ = lambda bound, *free: launched.append(bound.kernel.fn.__name__) or real_call(bound, *free)
     ks.TUNING["aligned_rows_min_cols"] = 1
     try:
         if mode == "logsumexp":
@@ -556,7 +551,7 @@ def test_kernel_aligned_rows_any_length_and_stride(data):
             y = ks.softmax_forward(x, log=mode == "log_softmax", out=out)
             assert y.data_ptr() == out.data_ptr()  # written in place, through the same strides
     finally:
-        ks.launch = real_launch
+        ks.BoundLaunch.__call__ = real_call
         ks.TUNING.clear()
         ks.TUNING.update(saved)
     judge_against("fwd", y, x, -1, mode, dtype)
@@ -827,6 +822,84 @@ def test_launch_cache_and_call_protocol(monkeypatch):
         kl.launch(k, (2,), *args, num_warps=4, **consts)
         assert k.calls[-1] == ("slow", (2,), args, {"num_warps": 4, **consts})
     assert len(k.compiled) == 8
+
+
+class _FakeLauncher:
+    """What `BoundLaunch` reads of a Triton 3.6 CudaLauncher: its C function, flags and scratch sizes."""
+
+    def __init__(self, kernel, scratch: int):
+        self.kernel, self.global_scratch_size, self.profile_scratch_size = kernel, scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = True, False
+
+    def launch(self, *a):
+        self.kernel.calls.append(("c", a))
+
+    def __call__(self, *a):
+        self.kernel.calls.append(("run", a))
+
+
+class _FakeBoundKernel(_FakeKernel):
+    scratch = 0
+
+    def warmup(self, *args, grid, num_warps, **consts):
+        compiled = super().warmup(*args, grid=grid, num_warps=num_warps, **consts)
+        launcher = _FakeLauncher(self, self.scratch)
+        return type("Compiled", (), {"run": launcher, "function": compiled.function,
+                                     "packed_metadata": compiled.packed_metadata})()
+
+
+def test_bound_launch_call_protocol(monkeypatch):
+    """A `BoundLaunch` call hands the compiled kernel's C launcher what Triton's Python wrapper would
+    (grid padded to 3, stream, function, cooperative and PDL flags, no scratch, metadata, no hooks,
+    every parameter in signature order with the free ones put in, constexprs last); the fixed
+    arguments are taken once, a free argument of another specialisation compiles again, a kernel with
+    scratch goes through the wrapper, and what the fast path does not handle goes to Triton's path."""
+    from triton.knobs import HookChain
+
+    from ringlse.kernels import launch as kl
+
+    monkeypatch.setattr(kl, "_CACHE", {})
+    monkeypatch.setattr(kl, "_JITFunction", _FakeBoundKernel)
+    monkeypatch.setattr(kl, "_STREAM_GETTER", lambda index: 1000 + index)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    k = _FakeBoundKernel()
+    with pytest.raises(TypeError, match="FREE"):  # a plan holds no tensor
+        kl.BoundLaunch(k, (4,), torch.zeros(2), kl.FREE, num_warps=4, B=8, C=True)
+    go = kl.BoundLaunch(k, (4,), 7, kl.FREE, num_warps=4, B=8, C=True)
+    go(32)
+    assert k.compiled == [((7, 32), 4, {"B": 8, "C": True})]
+    assert k.calls[-1] == ("c", (4, 1, 1, 1002, 1, True, False, None, None, ("meta", 1), None, None, None, 7, 32, 8, True))
+    go(48)  # the features of 32 (a multiple of 16): a hit
+    assert len(k.compiled) == 1 and k.calls[-1][1][-3:] == (48, 8, True)
+    # not % 16, == 1, int64: each compiled apart; then 64, a hit on 32's
+    for n, compiled, tag in [(33, 2, 2), (1, 3, 3), (2**40, 4, 4), (64, 4, 1)]:
+        go(n)
+        assert len(k.compiled) == compiled and k.calls[-1][1][4] == tag and k.calls[-1][1][-3] == n
+    wide = go.regrid((5, 6))
+    wide(32)
+    assert k.calls[-1][0] == "c" and k.calls[-1][1][:3] == (5, 6, 1)
+    cpu = torch.zeros(3)
+    go(cpu)  # a CPU tensor: Triton's path, with the tensor itself
+    assert k.calls[-1][:2] == ("slow", (4,)) and k.calls[-1][2][0] == 7 and k.calls[-1][2][1] is cpu
+    hook = HookChain()
+    hook.add(lambda metadata: None)
+    monkeypatch.setattr(kl._knobs.runtime, "launch_enter_hook", hook)
+    go(32)  # a launch hook set (a profiler): Triton's path
+    assert k.calls[-1] == ("slow", (4,), (7, 32), {"num_warps": 4, "B": 8, "C": True})
+    monkeypatch.undo()
+    monkeypatch.setattr(kl, "_CACHE", {})
+    monkeypatch.setattr(kl, "_JITFunction", _FakeBoundKernel)
+    monkeypatch.setattr(kl, "_STREAM_GETTER", lambda index: 1000 + index)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    scratchy = _FakeBoundKernel()
+    scratchy.scratch = 128
+    kl.BoundLaunch(scratchy, (3,), kl.FREE, 5, num_warps=4, B=8, C=True)(16)  # scratch: Triton's wrapper
+    assert scratchy.calls[-1] == ("run", (3, 1, 1, 1002, 1, ("meta", 1), None, None, None, 16, 5, 8, True))
+    seen = []
+    monkeypatch.setattr(kl, "launch", lambda kernel, grid, *a, **kw: seen.append((kernel, grid, a, kw)))
+    plain = _FakeKernel()  # not a JITFunction (the interpreter's kernels are not): `launch` decides
+    kl.BoundLaunch(plain, (3,), kl.FREE, 5, num_warps=4, B=8, C=True)(16)
+    assert seen == [(plain, (3,), (16, 5), {"num_warps": 4, "B": 8, "C": True})] and not plain.calls
 
 
 def test_launch_takes_tritons_path_when_it_must(kernels, monkeypatch):
@@ -1116,12 +1189,10 @@ def test_gpu_aligned_rows(monkeypatch, rows, cols, dtype, mode):
     limits, all -inf rows included."""
     from ringlse.kernels import softmax as ks
 
-    ran = []
-    launch = ks.launch
-    monkeypatch.setattr(ks, "launch", lambda kern, *a, **k: ran.append(kern.fn.__name__) or launch(kern, *a, **k))
+    launches = spy_launches(monkeypatch, ks)
     x = make_x((rows, cols), -1, dtype, scale=3.0, seed=19, device="cuda")
     judge_against("fwd", kernel_forward(ks, mode, x, -1), x, -1, mode, dtype)
-    assert ran == ["_fwd_rows_aligned_kernel"]
+    assert [name for name, _ in launches] == ["_fwd_rows_aligned_kernel"]
 
 
 @pytest.mark.gpu
@@ -1295,7 +1366,7 @@ def test_gpu_lookback_long_rows(monkeypatch, rows, cols, dim, dtype, knobs, mode
         judge_against("fwd", y, x, dim, mode, dtype)
         judge_against("dx", dx, x, dim, mode, dtype, g=g)
     assert [name for name, _ in launches] == ["_fwd_lookback_kernel", "_bwd_lookback_kernel"] * 3
-    assert all(int(c.count_nonzero()) == 0 for c in ks._COUNTERS.values())
+    assert all(int(ws.counters.count_nonzero()) == 0 for ws in ks._WORKSPACES.values() if ws.counters is not None)
 
 
 @pytest.mark.gpu
@@ -1308,7 +1379,61 @@ def test_gpu_logsumexp_split_reuses_counters():
         x = make_x((rows, 70001), -1, torch.float32, scale=3.0, seed=19, device="cuda")
         judge_against("fwd", ks.logsumexp_forward(x), x, -1, "logsumexp", torch.float32)
     torch.cuda.synchronize()
-    assert all(int(c.count_nonzero()) == 0 for c in ks._COUNTERS.values())
+    assert all(int(ws.counters.count_nonzero()) == 0 for ws in ks._WORKSPACES.values() if ws.counters is not None)
+
+
+@pytest.mark.gpu
+def test_gpu_workspace_per_stream_and_thread():
+    """Scratch is kept per (device, stream, thread): another stream, or another thread on the same
+    stream, gets its own; under graph capture there is none (the scratch is fresh)."""
+    from ringlse.kernels import softmax as ks
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    main = ks._workspace(dev)
+    assert main is not None and ks._workspace(dev) is main
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert ks._workspace(dev) not in (None, main)
+    other = []
+    thread = threading.Thread(target=lambda: other.append(ks._workspace(dev)))
+    thread.start()
+    thread.join()
+    assert other[0] not in (None, main)
+    x = torch.zeros(4, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+        assert ks._workspace(dev) is None
+
+
+@pytest.mark.gpu
+def test_gpu_threads_sharing_a_stream():
+    """Threads calling the launchers on one (the default) stream interleave their launches: the split
+    forward (a stats kernel, then a normalising kernel that reads its partials), the split logsumexp
+    (row counters) and the cooperative forward (words taken by turns) still give each call its own
+    result, bit for bit the single-threaded one."""
+    from ringlse.kernels import softmax as ks
+
+    cases = [(lambda x: ks.softmax_forward(x), (8, 131072)), (lambda x: ks.logsumexp_forward(x), (8, 131072)),
+             (lambda x: ks.softmax_forward(x, log=True), (256, 65536))]
+    inputs = [[make_x(shape, -1, torch.float32, scale=3.0, seed=40 + 3 * c + t, device="cuda") for t in range(3)]
+              for c, (_, shape) in enumerate(cases)]
+    want = [[fn(x) for x in xs] for (fn, _), xs in zip(cases, inputs)]
+    torch.cuda.synchronize()
+    bad = []
+
+    def worker(t: int) -> None:
+        for _ in range(40):
+            got = [fn(xs[t]) for (fn, _), xs in zip(cases, inputs)]
+            torch.cuda.synchronize()
+            bad.extend((t, c) for c, g in enumerate(got) if not torch.equal(g, want[c][t]))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not bad, bad[:10]
 
 
 def _placed(x: torch.Tensor, where: str) -> torch.Tensor:
@@ -1325,18 +1450,26 @@ def _placed(x: torch.Tensor, where: str) -> torch.Tensor:
     return out.copy_(x)
 
 
+def _placed_vector(v: torch.Tensor, where: str) -> torch.Tensor:
+    """A vector `v` copied to a 16-byte-aligned buffer ("aligned") or one element past one (else)."""
+    off = 0 if where == "aligned" else 1
+    return torch.empty(v.numel() + 16, dtype=v.dtype, device=v.device)[off:off + v.numel()].copy_(v)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("regime", ["rows", "split"])
 @pytest.mark.parametrize("order", ["aligned-first", "misaligned-first"])
 def test_gpu_fast_launch_alignment_and_int_specialisation(monkeypatch, order, regime, dtype):
-    """`launch` caches compiled kernels under its own key: a kernel compiled for 16-byte-aligned
-    pointers (or for R == 1) must never serve a misaligned input (or R == 3), whichever runs first.
+    """The plans' `BoundLaunch`es cache compiled kernels under their own keys: a kernel compiled for
+    16-byte-aligned pointers (or for R == 1) must never serve a misaligned input (or R == 3),
+    whichever runs first; logsumexp's backward takes lse and g of any alignment in one plan.
     Forward, logsumexp and both backwards on the same shapes, against float64."""
     from ringlse.kernels import launch as kl
     from ringlse.kernels import softmax as ks
 
-    monkeypatch.setattr(kl, "_CACHE", {})  # this order fills the cache from empty
+    slow, real = [], kl.launch
+    monkeypatch.setattr(kl, "launch", lambda kernel, *a, **k: slow.append(kernel.fn.__name__) or real(kernel, *a, **k))
     if regime == "split":  # long rows through the launchers' own two-kernel paths
         for key in ("coop_fwd", "coop_bwd", "lookback_fwd", "lookback_bwd"):
             monkeypatch.setitem(ks.TUNING, key, 0)
@@ -1361,11 +1494,11 @@ def test_gpu_fast_launch_alignment_and_int_specialisation(monkeypatch, order, re
                     judge_against(f"dx {where}", dx, x0, -1, mode, dtype, g=g0)
                 lse = ks.logsumexp_forward(x)
                 judge_against(f"lse {where}", lse, x0, -1, "logsumexp", dtype)
-                dx = ks.logsumexp_backward(x, lse, gl0)
+                dx = ks.logsumexp_backward(x, _placed_vector(lse, where), _placed_vector(gl0, where))
                 judge_against(f"lse dx {where}", dx, x0, -1, "logsumexp", dtype, g=gl0)
     torch.cuda.synchronize()
-    # the fast path ran (Triton 3.6): every key got a compiled entry, none fell back for good
-    assert kl._CACHE and all(entry is not None for entry in kl._CACHE.values())
+    # the fast path ran (Triton 3.6): no launch went to Triton's own
+    assert not slow, slow
 
 
 @pytest.mark.gpu
