@@ -38,7 +38,10 @@ Row regimes, chosen once per call layout (a call plan, `_planned`):
   vectors and whose piece 0 reads and writes the few elements at the row's ends one by one
   (`_fwd_coop_aligned_kernel`, `_bwd_coop_aligned_kernel`; H200, bf16 1300 x 50257: 0.56 -> 0.78x copy);
   on sm_90 the aligned forward also asks L2 (a bulk prefetch, no registers) for the row after the one
-  it loads (0.80 -> 0.84x there).
+  it loads (0.80 -> 0.84x there). bf16 softmax keeps the exps each piece computes for its statistics,
+  as fp16 words in place of its input words, so that its output is one multiply per element instead
+  of a second exp (`_piece_exps`; H200, x copy, eager: 1300 x 50257 0.84 -> 0.86, 512 x 131072 0.85
+  -> 0.89), for 2^-11 relative error before the output's bf16 rounding.
   2-byte logsumexp of such rows runs the aligned forward without its output (MODE 2: piece 0 writes
   the lse; H200, bf16 16384 x 4097: 3.90 -> 6.45x `torch.logsumexp`).
   The forward's programs may take the rows' pieces in turn as tasks over every resident program
@@ -195,6 +198,9 @@ TUNING: _Knobs = _Knobs({
     # the aligned forward (softmax, log_softmax) asks L2 for the row after the one it loads
     # (`_fwd_coop_aligned_kernel`, L2_AHEAD; sm_90 on)
     "coop_l2_ahead": 1,
+    # bf16 softmax: the cooperative forward keeps each piece's exps (fp16 words) for its output, a
+    # multiply per element instead of a second exp (`_piece_exps`)
+    "coop_exps_16": 1,
     # 2-byte logsumexp of rows off the boundaries through the aligned forward (its MODE 2) rather than
     # element by element (H200, kernel alone, x a copy's bandwidth, eager / GPU time: bf16 16384 x 4097
     # 0.36/0.37 -> 0.59/0.66, 65536 x 1025 0.31/0.32 -> 0.63/0.73, 1300 x 50257 0.45/0.52 -> 0.61/0.68;
@@ -727,6 +733,50 @@ def _piece_max_sum(v, PACK: tl.constexpr, ASM: tl.constexpr = False):
 
 
 @triton.jit
+def _unpack_f16_pair(w, ASM: tl.constexpr):
+    """An int32 word of two fp16 as float32 (low, high); ASM (compiled only): a `cvt` per half."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }", "=r,=r,r", [w],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    return _unpack_pair(w, 2)
+
+
+@triton.jit
+def _piece_exps(v, ASM: tl.constexpr):
+    """`_piece_max_sum` of a piece of bf16 words, and the piece's exps kept for its output (EXPS):
+    (max, sum, exps, shift). The exps are `exp(x - max) * 2^15` as fp16 words of two (a register per
+    two, as the words they replace), shift = max * log2(e) - 15 (0 - 15 for an all -inf piece).
+
+    Why: the output is then one multiply per element (`_output_of_exps`), where it took a second
+    exp (one FMA and one MUFU.EX2, on the unit that is a quarter of the FMA pipe's width). The 2^15
+    keeps exps down to 2^-29 normal in fp16 (2^-11 relative; below, 2^-40 absolute): with the bf16
+    rounding of the output (2^-9 relative), within 0.63 ulp of the exact value for every output
+    above 2^-29 of its piece's largest."""
+    lo, hi = _unpack_pair(v, 1)
+    if ASM:
+        mlo, mhi = _unpack_pair(tl.reduce(v, 0, _max_bf16x2), 1)
+        m = tl.maximum(mlo, mhi)
+    else:
+        m = tl.maximum(tl.max(lo, axis=0), tl.max(hi, axis=0))
+    shift = tl.where(m == float("-inf"), 0.0, m) * LOG2E - 15.0
+    elo = tl.exp2(lo * LOG2E - shift)
+    ehi = tl.exp2(hi * LOG2E - shift)
+    s = tl.sum(elo + ehi, axis=0) * (1.0 / 32768.0)
+    return m, s, _pack_pair(elo, ehi, 2, ASM), shift
+
+
+@triton.jit
+def _output_of_exps(e, shift, M, S, ASM: tl.constexpr):
+    """softmax of a piece from its exps (`_piece_exps`) given its row's max M and sum S, as bf16 words:
+    `exp(x - M) / S = e * 2^(shift - M log2 e) / S`, 0 for an all -inf row (S = 0)."""
+    M_safe = tl.where(M == float("-inf"), 0.0, M)
+    c = tl.where(S > 0.0, tl.exp2(shift - M_safe * LOG2E - tl.log2(tl.where(S > 0.0, S, 1.0))), 0.0)
+    lo, hi = _unpack_f16_pair(e, ASM)
+    return _pack_pair(lo * c, hi * c, 1, ASM)
+
+
+@triton.jit
 def _normalised(x, M_safe, S, MODE: tl.constexpr):
     """softmax (MODE 0) or log_softmax of float32 x given its row's max (0 for an all -inf row) and sum."""
     if MODE == 0:
@@ -839,7 +889,7 @@ def _fwd_coop_kernel(
     x_ptr, y_ptr, w_ptr, c_ptr, n_clear, R, N, I,
     sx_o, sx_i, sx_n, sy_o, sy_i, sy_n, K,
     MODE: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, COL64: tl.constexpr, PACK: tl.constexpr,
-    ASM: tl.constexpr, EVEN: tl.constexpr, TASKS: tl.constexpr,
+    ASM: tl.constexpr, EVEN: tl.constexpr, TASKS: tl.constexpr, EXPS: tl.constexpr = False,
 ):
     """The grid's P programs take the R * K tasks (piece k of row r: task t = r * K + k) in turn, program
     p tasks p, p + P, ... (`_next_task`): one read, one write. TASKS: P need not be a multiple of K, so
@@ -860,7 +910,8 @@ def _fwd_coop_kernel(
     and the strides count words. The three row pieces a program carries (this task, the next, the one
     in flight) then take one register per two elements; loaded as 16-bit elements, each took a whole
     register, and the register file, not memory, bounded the bytes in flight. ASM: packed conversions
-    (`_pack_pair`), compiled only. EVEN: N is a multiple of PIECE (no column mask).
+    (`_pack_pair`), compiled only. EVEN: N is a multiple of PIECE (no column mask). EXPS (bf16 softmax):
+    a piece's words become its exps once published (`_piece_exps`), and its output a multiply of them.
 
     `w_ptr`: the launch's `[R, K]` words, all -1 at the start; `c_ptr`: the previous launch's, of which
     it resets the first `n_clear` (`_coop_words`)."""
@@ -875,23 +926,35 @@ def _fwd_coop_kernel(
     row1, k1 = _next_task(row, k, K, step_rows, step_k, TASKS)
     x_next = _load_piece(xp, row1, k1, R, N, I, sx_o, sx_i, sx_n, pad, PIECE, COL64, EVEN)
     _reset_words(c_ptr, n_clear)  # (while the first loads are in flight)
-    m, s = _piece_max_sum(x, PACK, ASM)
+    shift = 0.0
+    if EXPS:
+        m, s, x, shift = _piece_exps(x, ASM)
+    else:
+        m, s = _piece_max_sum(x, PACK, ASM)
     _publish_word(w_ptr + row * K + k, _pack_word(m, s))
     first, last, stride = _task_loop(pid, row, R, K, P, step_rows, TASKS)
     for it in range(first, last, stride):
         if not TASKS:  # (the row from the loop's counter: nothing else carried from step to step)
             row, row1 = it, it + step_rows
         x1 = x_next
+        shift1 = 0.0
         row2, k2 = _next_task(row1, k1, K, step_rows, step_k, TASKS)
         x_next = _load_piece(xp, row2, k2, R, N, I, sx_o, sx_i, sx_n, pad, PIECE, COL64, EVEN)
         if row1 < R:
-            m1, s1 = _piece_max_sum(x1, PACK, ASM)
+            if EXPS:
+                m1, s1, x1, shift1 = _piece_exps(x1, ASM)
+            else:
+                m1, s1 = _piece_max_sum(x1, PACK, ASM)
             _publish_word(w_ptr + row1 * K + k1, _pack_word(m1, s1))
         pm, ps = _await_words(w_ptr, row * K, K, KB)
-        y = _piece_output(x, pm, ps, MODE, PACK, ASM, y_ptr.dtype.element_ty)
+        if EXPS:
+            M, S = _merge_lanes(pm, ps)
+            y = _output_of_exps(x, shift, M, S, ASM)
+        else:
+            y = _piece_output(x, pm, ps, MODE, PACK, ASM, y_ptr.dtype.element_ty)
         cols, cmask = _piece_cols(k, N, PIECE, EVEN)
         tl.store(yp + _row_start(row, I, sy_o, sy_i) + _col_offsets(cols, sy_n, COL64), y, mask=cmask)
-        x = x1
+        x, shift = x1, shift1
         row, k, row1, k1 = row1, k1, row2, k2
 
 
@@ -971,21 +1034,27 @@ def _merge_two(m1, s1, m2, s2):
 
 
 @triton.jit
-def _publish_piece(w_ptr, i, k, x, xe, PACK: tl.constexpr, ASM: tl.constexpr):
+def _publish_piece(w_ptr, i, k, x, xe, PACK: tl.constexpr, ASM: tl.constexpr, EXPS: tl.constexpr):
     """Publish word i: the `(max, sum)` of piece k's vectors x and, piece 0 only, the row's end elements
-    xe (the other pieces skip their reductions: H200, bf16 2730 x 24575 softmax 0.82 -> 0.83x copy)."""
-    m, s = _piece_max_sum(x, PACK, ASM)
+    xe (the other pieces skip their reductions: H200, bf16 2730 x 24575 softmax 0.82 -> 0.83x copy).
+    Returns what the piece's output is made from: x, or with EXPS its exps and their shift (`_piece_exps`)."""
+    shift = 0.0
+    if EXPS:
+        m, s, x, shift = _piece_exps(x, ASM)
+    else:
+        m, s = _piece_max_sum(x, PACK, ASM)
     if k == 0:
         me, se = _piece_max_sum(xe, 0)
         m, s = _merge_two(m, s, me, se)
     _publish_word(w_ptr + i, _pack_word(m, s))
+    return x, shift
 
 
 @triton.jit
 def _fwd_coop_aligned_kernel(
     x_ptr, y_ptr, w_ptr, c_ptr, n_clear, R, SPAN, I, sx_o, sx_i, sy_o, sy_i, N, K,
     MODE: tl.constexpr, PIECE: tl.constexpr, KB: tl.constexpr, PACK: tl.constexpr, ASM: tl.constexpr,
-    VE: tl.constexpr, L2_AHEAD: tl.constexpr, TASKS: tl.constexpr,
+    VE: tl.constexpr, L2_AHEAD: tl.constexpr, TASKS: tl.constexpr, EXPS: tl.constexpr = False,
 ):
     """`_fwd_coop_kernel` (its tasks, words and pipelining) for rows of contiguous columns, read and written
     in 16-byte vectors whatever their length and start: piece k of a row starts at the row's first 16-byte
@@ -1023,12 +1092,13 @@ def _fwd_coop_aligned_kernel(
     x_next, xe_next = _load_row_piece(x_ptr, xp, _row_start(row1, I, sx_o, sx_i), N, k1, row1 < R, pad,
                                       float("-inf"), PIECE, VE, 4)
     _reset_words(c_ptr, n_clear)  # (while the first loads are in flight)
-    _publish_piece(w_ptr, row * K + k, k, x, xe, PACK, ASM)
+    x, shift = _publish_piece(w_ptr, row * K + k, k, x, xe, PACK, ASM, EXPS)
     first, last, stride = _task_loop(pid, row, R, K, P, step_rows, TASKS)
     for it in range(first, last, stride):
         if not TASKS:
             row, row1 = it, it + step_rows
         x1, xe1 = x_next, xe_next
+        shift1 = 0.0
         row2, k2 = _next_task(row1, k1, K, step_rows, step_k, TASKS)
         x_next, xe_next = _load_row_piece(x_ptr, xp, _row_start(row2, I, sx_o, sx_i), N, k2, row2 < R, pad,
                                           float("-inf"), PIECE, VE, 4)
@@ -1041,7 +1111,7 @@ def _fwd_coop_aligned_kernel(
                 if span > 0:
                     _prefetch_to_l2(xp + p0, (span * 4).to(tl.int32))
         if row1 < R:
-            _publish_piece(w_ptr, row1 * K + k1, k1, x1, xe1, PACK, ASM)
+            x1, shift1 = _publish_piece(w_ptr, row1 * K + k1, k1, x1, xe1, PACK, ASM, EXPS)
         if MODE != 2 or k == 0:
             pm, ps = _await_words(w_ptr, row * K, K, KB)
             M, S = _merge_lanes(pm, ps)
@@ -1051,11 +1121,15 @@ def _fwd_coop_aligned_kernel(
                 out_ty = y_ptr.dtype.element_ty
                 ys = _row_start(row, I, sy_o, sy_i)
                 p0, body = _body(ys, N, k, True, PIECE, VE, 4)
-                tl.store(yp + p0 + tl.arange(0, PIECE), _output_of(x, M, S, MODE, PACK, ASM, out_ty), mask=body)
+                if EXPS:
+                    y = _output_of_exps(x, shift, M, S, ASM)
+                else:
+                    y = _output_of(x, M, S, MODE, PACK, ASM, out_ty)
+                tl.store(yp + p0 + tl.arange(0, PIECE), y, mask=body)
                 if k == 0:  # the row's end elements (`_store_row_piece`, the other pieces skip them)
                     e, ends = _ends(ys, N, k, True, VE)
                     tl.store(y_ptr + e, _output_of(xe, M, S, MODE, 0, ASM, out_ty), mask=ends)
-        x, xe = x1, xe1
+        x, xe, shift = x1, xe1, shift1
         row, k, row1, k1 = row1, k1, row2, k2
 
 
@@ -1652,6 +1726,12 @@ def _aligned_rows(ts: tuple[torch.Tensor, ...], N: int, strides: tuple[tuple[int
     return not (strides[0][0] % vec == 0 and strides[0][1] % vec == 0 and N % vec == 0)
 
 
+def _exps(mode: int, pack: int) -> bool:
+    """Whether the cooperative forward keeps a piece's exps for its output (EXPS, `_piece_exps`): bf16
+    softmax, knob `coop_exps_16`."""
+    return mode == _SOFTMAX and pack == 1 and bool(TUNING["coop_exps_16"])
+
+
 def _aligned_forward_step(xm: torch.Tensor, y: torch.Tensor, R: int, N: int, I: int, strides: tuple, mode: int,
                           short: bool):
     """Plan time: a step `step(xm, y)` of the aligned forward over rows `_aligned_rows` accepted, or
@@ -1674,7 +1754,8 @@ def _aligned_forward_step(xm: torch.Tensor, y: torch.Tensor, R: int, N: int, I: 
         # SPAN: the units of a row's whole vectors, at most (4 per vector; a row inside one: a piece)
         _fwd_coop_aligned_kernel, "fwd", (xm, y), R, max(1, N * xm.element_size() // 16 * 4), I, (*strides, N),
         dict(MODE=mode, PACK=words, ASM=os.environ.get("TRITON_INTERPRET") != "1", VE=ve,
-             L2_AHEAD=bool(TUNING["coop_l2_ahead"]) and mode != _LOGSUMEXP and _bulk_prefetch(xm.device)),
+             L2_AHEAD=bool(TUNING["coop_l2_ahead"]) and mode != _LOGSUMEXP and _bulk_prefetch(xm.device),
+             EXPS=_exps(mode, words)),
         per=2 if words else 1,
     )
 
@@ -1771,7 +1852,8 @@ def _forward_step(xm: torch.Tensor, ym: torch.Tensor, R: int, N: int, I: int, st
         return lambda xm, ym: go(xm, ym, xm)  # (no lse: any pointer)
     if (pack := _pair_pack(xm, ym, N, (sx_o, sx_i, sy_o, sy_i), (sx_n, sy_n))) and (step := _coop_step(
         _fwd_coop_kernel, "fwd", (xm, ym), R, N // 2, I, (sx_o // 2, sx_i // 2, 1, sy_o // 2, sy_i // 2, 1),
-        dict(MODE=mode, COL64=col64, PACK=pack, ASM=os.environ.get("TRITON_INTERPRET") != "1"), per=2,
+        dict(MODE=mode, COL64=col64, PACK=pack, ASM=os.environ.get("TRITON_INTERPRET") != "1",
+             EXPS=_exps(mode, pack)), per=2,
     )):
         return step
     if step := _coop_step(_fwd_coop_kernel, "fwd", (xm, ym), R, N, I, strides,

@@ -1080,6 +1080,35 @@ def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, pi
     judge_against("dx", dx, x, dim, mode, dtype, g=g)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [3.0, 30.0], ids=["x3", "x30"])
+@pytest.mark.parametrize("rows,cols,kernel", [
+    pytest.param(64, 65536, "_fwd_coop_kernel", id="64x65536-pairs"),
+    pytest.param(65, 50257, "_fwd_coop_aligned_kernel", id="65x50257-aligned"),
+])
+def test_gpu_bf16_softmax_from_kept_exps(monkeypatch, rows, cols, kernel, scale):
+    """The bf16 cooperative softmax that keeps each piece's exps as fp16 words (EXPS, `_piece_exps`):
+    besides the absolute bound every output is judged by, each output of at least 2^-29 of its piece's
+    largest keeps its relative error within 2^-8 + 2^-10 (the bf16 rounding, 2^-8, and the exps' fp16
+    rounding, 2^-11, with room), and the knob off stays within the rounding alone (2^-8, and 2^-12
+    for the exps' own error)."""
+    from ringlse.kernels import softmax as ks
+
+    launches = spy_launches(monkeypatch, ks)
+    x = make_x((rows, cols), -1, torch.bfloat16, scale=scale, seed=24, device="cuda")
+    ref = softmax_math(x.double(), -1, "softmax")
+    tiny = ref.amax(-1, keepdim=True) * 2.0**-29  # (a piece's largest is at most its row's)
+    judged = (ref > 2.0**-100) & (ref >= tiny)
+    for exps, bound in ((1, 2.0**-8 + 2.0**-10), (0, 2.0**-8 + 2.0**-12)):
+        monkeypatch.setitem(ks.TUNING, "coop_exps_16", exps)
+        launches.clear()
+        y = ks.softmax_forward(x)
+        judge_against("fwd", y, x, -1, "softmax", torch.bfloat16)
+        rel = ((y.double() - ref).abs() / ref)[judged]
+        assert rel.max().item() <= bound, (exps, rel.max().item())
+        assert [(name, kw.get("EXPS")) for name, kw in launches] == [(kernel, bool(exps))]
+
+
 STRADDLE_CASES = [  # rows, cols, dim, dtype, the modes that take the cooperative forward there
     pytest.param(37, 32768, -1, torch.bfloat16, MODES[:2], id="37x32768-bf16"),  # pairs, no column mask (EVEN)
     pytest.param(37, 40000, -1, torch.bfloat16, MODES[:2], id="37x40000-bf16"),  # pairs, masked last piece
