@@ -285,6 +285,9 @@ def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
              [{"coop_piece_fwd_16": p, "coop_warps_fwd_16": w, "coop_maxnreg_fwd_16": r}
               for p, w, r in ((2048, 1, 168), (2048, 1, 128), (2048, 1, None), (1024, 1, 96), (4096, 2, 168))],
              coop_cases[:2] + [(TOTAL // 32767, 32767), (TOTAL // 50257, 50257)], "fwd+lse", torch.bfloat16)
+        # bf16 softmax: each piece's exps kept as fp16 words for its output, or a second exp from x
+        pick("kept exps (fwd, bf16)", [{"coop_exps_16": 0}, {"coop_exps_16": 1}],
+             coop_cases[:2] + [(TOTAL // 50257, 50257)], "fwd", torch.bfloat16)
         # short rows off the boundaries: one per program, or cut into the cooperative pieces above
         pick("aligned short rows (fwd, bf16)", [{"aligned_rows": 0}, {"aligned_rows": 1}],
              [(TOTAL // n, n) for n in (1025, 4097, 8191, 16383)], "fwd", torch.bfloat16)
