@@ -926,7 +926,7 @@ def _fwd_coop_kernel(
     row1, k1 = _next_task(row, k, K, step_rows, step_k, TASKS)
     x_next = _load_piece(xp, row1, k1, R, N, I, sx_o, sx_i, sx_n, pad, PIECE, COL64, EVEN)
     _reset_words(c_ptr, n_clear)  # (while the first loads are in flight)
-    shift = 0.0
+    # (`shift` and `shift1` exist only with EXPS: elsewhere the loop compiles as it did without it)
     if EXPS:
         m, s, x, shift = _piece_exps(x, ASM)
     else:
@@ -937,7 +937,8 @@ def _fwd_coop_kernel(
         if not TASKS:  # (the row from the loop's counter: nothing else carried from step to step)
             row, row1 = it, it + step_rows
         x1 = x_next
-        shift1 = 0.0
+        if EXPS:
+            shift1 = 0.0
         row2, k2 = _next_task(row1, k1, K, step_rows, step_k, TASKS)
         x_next = _load_piece(xp, row2, k2, R, N, I, sx_o, sx_i, sx_n, pad, PIECE, COL64, EVEN)
         if row1 < R:
@@ -954,7 +955,9 @@ def _fwd_coop_kernel(
             y = _piece_output(x, pm, ps, MODE, PACK, ASM, y_ptr.dtype.element_ty)
         cols, cmask = _piece_cols(k, N, PIECE, EVEN)
         tl.store(yp + _row_start(row, I, sy_o, sy_i) + _col_offsets(cols, sy_n, COL64), y, mask=cmask)
-        x, shift = x1, shift1
+        x = x1
+        if EXPS:
+            shift = shift1
         row, k, row1, k1 = row1, k1, row2, k2
 
 
@@ -1034,20 +1037,28 @@ def _merge_two(m1, s1, m2, s2):
 
 
 @triton.jit
-def _publish_piece(w_ptr, i, k, x, xe, PACK: tl.constexpr, ASM: tl.constexpr, EXPS: tl.constexpr):
-    """Publish word i: the `(max, sum)` of piece k's vectors x and, piece 0 only, the row's end elements
-    xe (the other pieces skip their reductions: H200, bf16 2730 x 24575 softmax 0.82 -> 0.83x copy).
-    Returns what the piece's output is made from: x, or with EXPS its exps and their shift (`_piece_exps`)."""
-    shift = 0.0
-    if EXPS:
-        m, s, x, shift = _piece_exps(x, ASM)
-    else:
-        m, s = _piece_max_sum(x, PACK, ASM)
+def _publish_stats(w_ptr, i, k, m, s, xe):
+    """Publish word i: a piece's `(max, sum)` merged, for piece 0 only, with its row's end elements xe."""
     if k == 0:
         me, se = _piece_max_sum(xe, 0)
         m, s = _merge_two(m, s, me, se)
     _publish_word(w_ptr + i, _pack_word(m, s))
-    return x, shift
+
+
+@triton.jit
+def _publish_piece(w_ptr, i, k, x, xe, PACK: tl.constexpr, ASM: tl.constexpr):
+    """Publish word i: the `(max, sum)` of piece k's vectors x and, piece 0 only, the row's end elements
+    xe (the other pieces skip their reductions: H200, bf16 2730 x 24575 softmax 0.82 -> 0.83x copy)."""
+    m, s = _piece_max_sum(x, PACK, ASM)
+    _publish_stats(w_ptr, i, k, m, s, xe)
+
+
+@triton.jit
+def _publish_piece_exps(w_ptr, i, k, x, xe, ASM: tl.constexpr):
+    """`_publish_piece` of bf16 words, returning the piece's exps and their shift (`_piece_exps`)."""
+    m, s, e, shift = _piece_exps(x, ASM)
+    _publish_stats(w_ptr, i, k, m, s, xe)
+    return e, shift
 
 
 @triton.jit
@@ -1092,13 +1103,18 @@ def _fwd_coop_aligned_kernel(
     x_next, xe_next = _load_row_piece(x_ptr, xp, _row_start(row1, I, sx_o, sx_i), N, k1, row1 < R, pad,
                                       float("-inf"), PIECE, VE, 4)
     _reset_words(c_ptr, n_clear)  # (while the first loads are in flight)
-    x, shift = _publish_piece(w_ptr, row * K + k, k, x, xe, PACK, ASM, EXPS)
+    # (`shift` and `shift1` exist only with EXPS: elsewhere the loop compiles as it did without it)
+    if EXPS:
+        x, shift = _publish_piece_exps(w_ptr, row * K + k, k, x, xe, ASM)
+    else:
+        _publish_piece(w_ptr, row * K + k, k, x, xe, PACK, ASM)
     first, last, stride = _task_loop(pid, row, R, K, P, step_rows, TASKS)
     for it in range(first, last, stride):
         if not TASKS:
             row, row1 = it, it + step_rows
         x1, xe1 = x_next, xe_next
-        shift1 = 0.0
+        if EXPS:
+            shift1 = 0.0
         row2, k2 = _next_task(row1, k1, K, step_rows, step_k, TASKS)
         x_next, xe_next = _load_row_piece(x_ptr, xp, _row_start(row2, I, sx_o, sx_i), N, k2, row2 < R, pad,
                                           float("-inf"), PIECE, VE, 4)
@@ -1111,7 +1127,10 @@ def _fwd_coop_aligned_kernel(
                 if span > 0:
                     _prefetch_to_l2(xp + p0, (span * 4).to(tl.int32))
         if row1 < R:
-            x1, shift1 = _publish_piece(w_ptr, row1 * K + k1, k1, x1, xe1, PACK, ASM, EXPS)
+            if EXPS:
+                x1, shift1 = _publish_piece_exps(w_ptr, row1 * K + k1, k1, x1, xe1, ASM)
+            else:
+                _publish_piece(w_ptr, row1 * K + k1, k1, x1, xe1, PACK, ASM)
         if MODE != 2 or k == 0:
             pm, ps = _await_words(w_ptr, row * K, K, KB)
             M, S = _merge_lanes(pm, ps)
@@ -1129,7 +1148,9 @@ def _fwd_coop_aligned_kernel(
                 if k == 0:  # the row's end elements (`_store_row_piece`, the other pieces skip them)
                     e, ends = _ends(ys, N, k, True, VE)
                     tl.store(y_ptr + e, _output_of(xe, M, S, MODE, 0, ASM, out_ty), mask=ends)
-        x, xe, shift = x1, xe1, shift1
+        x, xe = x1, xe1
+        if EXPS:
+            shift = shift1
         row, k, row1, k1 = row1, k1, row2, k2
 
 
