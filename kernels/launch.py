@@ -198,8 +198,8 @@ class BoundLaunch:
     about every tensor's pointer; for a few-MB input that host time is most of a call. Here the fixed
     arguments are taken once; a call keys its free arguments only (a tensor's dtype and 16-byte
     alignment, an integer's features as Triton specialises them, the device) and hands the compiled
-    kernel's launcher the tensors' pointers, as integers (H200 host: ~5 us a launch, ~9.5 through
-    `launch`). Fixed arguments may not be tensors (a plan holds no tensor).
+    kernel's launcher the tensors' pointers, as integers (the module's docstring has the host times).
+    Fixed arguments may not be tensors (a plan holds no tensor).
 
     Every case `launch` leaves to Triton is left to it here too (then with the tensors themselves),
     and so are tensors not on a CUDA device. One hazard it shares with `launch`: a kernel's source or
@@ -213,14 +213,11 @@ class BoundLaunch:
             raise TypeError("BoundLaunch: tensors are per-call arguments (FREE), not fixed ones")
         self.kernel, self.grid, self.args, self.num_warps, self.consts = kernel, tuple(grid), args, num_warps, consts
         self.free = tuple(i for i, a in enumerate(args) if a is FREE)
-        # key -> (launcher, head, argument list, positions of the free arguments), or None: Triton's path
+        # key -> (launcher, function, the launcher's arguments before the kernel's, the kernel's with the
+        # free ones to put in), or None: Triton's path
         self.entries: dict[tuple, tuple | None] = {}
         # (the interpreter's kernels are not JITFunctions: under TRITON_INTERPRET=1 every call is Triton's)
         self.jit = _JITFunction is not None and _STREAM_GETTER is not None and isinstance(kernel, _JITFunction)
-
-    def regrid(self, grid: tuple[int, ...]) -> BoundLaunch:
-        """The same launch over another grid."""
-        return BoundLaunch(self.kernel, grid, *self.args, num_warps=self.num_warps, **self.consts)
 
     def _full(self, free: tuple) -> list:
         args = list(self.args)
@@ -228,12 +225,15 @@ class BoundLaunch:
             args[i] = v
         return args
 
+    def _tritons_path(self, free: tuple) -> None:
+        launch(self.kernel, self.grid, *self._full(free), num_warps=self.num_warps, **self.consts)
+
     def __call__(self, *free) -> None:
         runtime = _knobs.runtime if self.jit else None
         if runtime is None or self.kernel.pre_run_hooks or not (
             _hook_idle(runtime.launch_enter_hook) and _hook_idle(runtime.launch_exit_hook)
         ):
-            launch(self.kernel, self.grid, *self._full(free), num_warps=self.num_warps, **self.consts)
+            self._tritons_path(free)
             return
         values, key = [], [runtime.debug, _knobs.compilation.instrumentation_mode]
         for v in free:
@@ -245,7 +245,7 @@ class BoundLaunch:
                 values.append(p)
                 key.append((v.dtype, p % 16 == 0))
             else:
-                launch(self.kernel, self.grid, *self._full(free), num_warps=self.num_warps, **self.consts)
+                self._tritons_path(free)
                 return
         device = torch.cuda.current_device()
         key.append(device)
@@ -254,7 +254,7 @@ class BoundLaunch:
         if entry is _MISSING:
             entry = self._entry(key, free)
         if entry is None:
-            launch(self.kernel, self.grid, *self._full(free), num_warps=self.num_warps, **self.consts)
+            self._tritons_path(free)
             return
         launcher, function, head, args = entry
         args = args.copy()

@@ -875,8 +875,7 @@ def test_bound_launch_call_protocol(monkeypatch):
     for n, compiled, tag in [(33, 2, 2), (1, 3, 3), (2**40, 4, 4), (64, 4, 1)]:
         go(n)
         assert len(k.compiled) == compiled and k.calls[-1][1][4] == tag and k.calls[-1][1][-3] == n
-    wide = go.regrid((5, 6))
-    wide(32)
+    kl.BoundLaunch(k, (5, 6), 7, kl.FREE, num_warps=4, B=8, C=True)(32)  # a 2-D grid, padded to 3
     assert k.calls[-1][0] == "c" and k.calls[-1][1][:3] == (5, 6, 1)
     cpu = torch.zeros(3)
     go(cpu)  # a CPU tensor: Triton's path, with the tensor itself
