@@ -1652,7 +1652,7 @@ class _Replan(Exception):
 
 
 def _coop_launch(kernel, tensors: tuple, R: int, N: int, I: int, strides: tuple, chosen: tuple,
-                 bound: dict[int, BoundLaunch] | None = None) -> bool:
+                 bound: dict[int, BoundLaunch]) -> bool:
     """Launch a cooperative kernel over `tensors` with the plan `_coop_choose` chose, with an int64
     `[R, K]` word per piece; False if the driver refused every grid down to one row's programs (it ran
     nothing then). N and the strides count the kernel's items (`per` elements each). `bound`: the
@@ -1661,7 +1661,6 @@ def _coop_launch(kernel, tensors: tuple, R: int, N: int, I: int, strides: tuple,
     programs = min(programs, _COOP_CAP.get(cap_key, programs))
     device = tensors[0].device
     words, other, n_other, pool = _coop_words(_workspace(device), device, R * K)
-    bound = {} if bound is None else bound
     while programs >= K:
         go = bound.get(programs)
         if go is None:

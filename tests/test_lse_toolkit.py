@@ -585,7 +585,7 @@ def test_cooperative_launch_refused_takes_fewer_programs(kernels, monkeypatch):
 
     def launch(kernel, which="fwd", mode=0):
         chosen = kernels._coop_choose(kernel, which, (x, y), 16, 8, 1, strides, {"MODE": mode}, 1)
-        return kernels._coop_launch(kernel, (x, y), 16, 8, 1, strides, chosen)
+        return kernels._coop_launch(kernel, (x, y), 16, 8, 1, strides, chosen, {})
 
     fwd, bwd = kernels._fwd_coop_kernel, kernels._bwd_coop_kernel
     monkeypatch.setitem(kernels.TUNING, "coop_tasks_fwd", 2)
