@@ -21,6 +21,7 @@ nccl` turns it off, `=copy` insists on it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 
@@ -58,9 +59,13 @@ def use_copy_engines(comm) -> bool:
         return False
     name = _group_name(comm.group)
     if name not in _SAME_HOST:
-        hosts: list = [None] * comm.world
-        dist.all_gather_object(hosts, socket.gethostname(), group=comm.group)
-        _SAME_HOST[name] = len(set(hosts)) == 1
+        # a tensor gather of host-name digests (object collectives need numpy; Python's hash() differs
+        # between processes): NCCL moves CUDA tensors only
+        digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest()
+        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device="cuda")
+        hosts = torch.empty(comm.world, dtype=torch.int64, device="cuda")
+        dist.all_gather_into_tensor(hosts, mine, group=comm.group)
+        _SAME_HOST[name] = bool((hosts == hosts[0]).all())
     choice = os.environ.get("RINGLSE_KV_TRANSPORT", "auto")
     if choice not in ("auto", "nccl", "copy"):
         raise ValueError(f"RINGLSE_KV_TRANSPORT={choice!r}: choose auto, nccl or copy")

@@ -5,6 +5,7 @@ gloo gather, or an NCCL gather (`RingComm.post_agreement`)."""
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -42,7 +43,10 @@ def nccl_options():
     return options
 
 
-_COMMS: dict[object, RingComm] = {}
+# One RingComm per live process group, held weakly: a comm (and the gloo group and shared table it
+# made) goes when its group does. A strong cache kept destroyed groups alive until interpreter exit,
+# where their late destruction aborted one rank in about a third of torchrun runs.
+_COMMS: weakref.WeakKeyDictionary[dist.ProcessGroup, RingComm] = weakref.WeakKeyDictionary()
 _AGREEMENT_COLS = 32  # integers per rank in a shared agreement table (a ring call posts 15)
 
 
@@ -65,19 +69,20 @@ class RingComm:
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup | None) -> RingComm:
-        """The `RingComm` of `group`, made once per group object (its queries of the process group
-        and the agreement's gloo group cost host time on every call otherwise)."""
-        key = group
-        if group is None and dist.is_available() and dist.is_initialized():
-            key = dist.group.WORLD  # a new object after the default group is re-created
+        """The `RingComm` of `group`, made once per live group object (its queries of the process
+        group and the agreement's gloo group cost host time on every call otherwise)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(group)  # a single rank: nothing worth keeping
+        key = dist.group.WORLD if group is None else group  # a new object after the default group is re-created
         comm = _COMMS.get(key)
         if comm is None:
             comm = _COMMS[key] = cls(group)
         return comm
 
     def __init__(self, group: dist.ProcessGroup | None):
+        # weakly: the cache of comms must not keep a destroyed group alive (see `_COMMS`)
+        self._group_ref = None if group is None else weakref.ref(group)
         if dist.is_available() and dist.is_initialized():
-            self.group = group
             self.rank = dist.get_rank(group)
             self.world = dist.get_world_size(group)
             if self.rank < 0:
@@ -88,16 +93,28 @@ class RingComm:
         else:
             if group is not None:
                 raise ValueError("a process group was given but torch.distributed is not initialized")
-            self.group, self.rank, self.world, self.global_ranks, self.backend = None, 0, 1, [0], None
+            self.rank, self.world, self.global_ranks, self.backend = 0, 1, [0], None
         self.next = self.global_ranks[(self.rank + 1) % self.world]
         self.prev = self.global_ranks[(self.rank - 1) % self.world]
         self._stream: torch.cuda.Stream | None = None
         # "shared", "host" or "device" (see `post_agreement`); None: decided on the first call
         self.agreement: str | None = None
-        self._host_group: dist.ProcessGroup | None = None
+        # a gloo group of the same ranks, made for an NCCL group; a gloo group is its own (read
+        # through `group`, never kept here: a strong reference would keep it alive, see `_COMMS`)
+        self._gloo_twin: dist.ProcessGroup | None = None
         self._table: SharedTable | None = None
         self._calls = 0  # agreements posted through the shared table (numbered alike on every rank)
         self._decided = False
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (None: the default group)."""
+        if self._group_ref is None:
+            return None
+        group = self._group_ref()
+        if group is None:
+            raise RuntimeError("ring_attention: the process group of this call was destroyed")
+        return group
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -166,7 +183,7 @@ class RingComm:
         if mode == "host":
             table_cpu = torch.empty((self.world, len(row)), dtype=torch.int64)
             work = dist.all_gather(list(table_cpu.unbind(0)), torch.tensor(row, dtype=torch.int64),
-                                   group=self._host_group, async_op=True)
+                                   group=self._host_group(), async_op=True)
 
             def check_host() -> None:
                 work.wait()
@@ -201,13 +218,17 @@ class RingComm:
             self.agreement = "device"
         else:
             # only the members take part in making the gloo group and the table
-            self._host_group = self.group if self.backend == "gloo" else dist.new_group(
-                self.global_ranks, backend="gloo", use_local_synchronization=True)
+            if self.backend != "gloo":
+                self._gloo_twin = dist.new_group(self.global_ranks, backend="gloo", use_local_synchronization=True)
             if wanted in (None, "shared"):
-                self._table = SharedTable.create(self._host_group, self.rank, self.global_ranks[0], _AGREEMENT_COLS)
+                self._table = SharedTable.create(self._host_group(), self.rank, self.global_ranks[0], _AGREEMENT_COLS)
             self.agreement = "shared" if self._table is not None else "host"
         self._decided = True
         return self.agreement
+
+    def _host_group(self) -> dist.ProcessGroup | None:
+        """The gloo group the host-side agreement runs over."""
+        return self.group if self._gloo_twin is None else self._gloo_twin
 
     def _decide(self, rows: list[list[int]], error: str | None) -> None:
         if error is not None:

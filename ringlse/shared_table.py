@@ -29,6 +29,23 @@ TIMEOUT_S = 1800.0
 _SPINS_BEFORE_SLEEP = 2000  # ~ a few ms of polling, then 0.1 ms sleeps between polls
 
 
+_PATH_BYTES = 4096  # room for the table's file name in the broadcast
+
+
+def _broadcast_path(path: str | None, root: int, group: dist.ProcessGroup | None) -> str | None:
+    """The root's `path` (None: no table) on every rank of `group`, as bytes in an int64 tensor
+    (object collectives need numpy, which a base install lacks)."""
+    buf = torch.zeros(_PATH_BYTES + 1, dtype=torch.int64)
+    if path is not None:
+        raw = os.fsencode(path)
+        if len(raw) <= _PATH_BYTES:
+            buf[0] = len(raw)
+            buf[1 : 1 + len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
+    dist.broadcast(buf, src=root, group=group)
+    n = int(buf[0])
+    return os.fsdecode(bytes(buf[1 : 1 + n].tolist())) if n else None
+
+
 class SharedTable:
     """`[2, world, cols]` int64 in memory shared by the group's ranks: slot `[seq % 2, rank]` holds
     `[seq, row...]`. Made by `create` (collective)."""
@@ -45,32 +62,35 @@ class SharedTable:
         the same answer. Collective over `group`; `root` is the global rank of its rank 0."""
         world = dist.get_world_size(group)
         ok = platform.machine().lower() in ("x86_64", "amd64")
-        path = [None]
+        path = None
         if rank == 0 and ok:
-            fd, path[0] = tempfile.mkstemp(prefix="ringlse-agreement-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-            os.ftruncate(fd, 2 * world * (cols + 1) * 8)
-            os.close(fd)
-        dist.broadcast_object_list(path, src=root, group=group)
-        table = None
+            fd, path = tempfile.mkstemp(prefix="ringlse-agreement-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         try:
-            if ok and path[0] is not None:
-                table = torch.from_file(path[0], shared=True, size=2 * world * (cols + 1), dtype=torch.int64)
-                table = table.view(2, world, cols + 1)
-                table[1, rank, 0] = rank + 1
-        except (OSError, RuntimeError):
+            if path is not None:
+                os.ftruncate(fd, 2 * world * (cols + 1) * 8)
+                os.close(fd)
+            path = _broadcast_path(path, root, group)
             table = None
-        dist.barrier(group=group)
-        # shared iff every rank sees every other rank's mark (a rank whose /dev/shm is not rank 0's
-        # opened a file of its own)
-        seen = table is not None and table[1, :, 0].tolist() == list(range(1, world + 1))
-        flags = [None] * world
-        dist.all_gather_object(flags, seen, group=group)  # also: everyone has read the marks
-        if path[0] is not None:
             try:
-                os.unlink(path[0])  # the mappings stay; nothing is left in /dev/shm
-            except FileNotFoundError:
-                pass  # another rank of this host removed it first
-        if not all(flags):
+                if ok and path is not None:
+                    table = torch.from_file(path, shared=True, size=2 * world * (cols + 1), dtype=torch.int64)
+                    table = table.view(2, world, cols + 1)
+                    table[1, rank, 0] = rank + 1
+            except (OSError, RuntimeError):
+                table = None
+            dist.barrier(group=group)
+            # shared iff every rank sees every other rank's mark (a rank whose /dev/shm is not the root's
+            # opened a file of its own); the all-reduce also means everyone has read the marks
+            seen = table is not None and table[1, :, 0].tolist() == list(range(1, world + 1))
+            flag = torch.tensor([int(seen)], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        finally:
+            if path is not None:
+                try:
+                    os.unlink(path)  # the mappings stay; nothing is left in /dev/shm, on error too
+                except FileNotFoundError:
+                    pass  # another rank of this host removed it first
+        if not flag.item():
             return None
         table[1, rank, 0] = 0
         dist.barrier(group=group)

@@ -3,8 +3,12 @@ use across processes is covered by every CPU ring test, which agree through it o
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from ringlse.shared_table import SharedTable
 
@@ -47,3 +51,37 @@ def test_row_longer_than_the_table_is_refused():
     (a,) = _tables(1, cols=2)
     with pytest.raises(ValueError, match="row of 3 integers"):
         a.post(1, [1, 2, 3])
+
+
+def _agreement_files() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("ringlse-agreement-*")} if shm.is_dir() else set()
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_create_leaves_no_file_behind(one_rank_group):
+    before = _agreement_files()
+    table = SharedTable.create(one_rank_group, 0, 0, cols=4)
+    assert table is not None or platform.machine().lower() not in ("x86_64", "amd64")
+    assert _agreement_files() == before
+
+
+def test_a_failing_create_leaves_no_file_behind(one_rank_group, monkeypatch):
+    """A collective that fails after the table's file exists (an object broadcast without numpy
+    used to) must not leave the file in /dev/shm."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("broadcast failed")
+
+    before = _agreement_files()
+    monkeypatch.setattr(dist, "broadcast", broken)
+    with pytest.raises(RuntimeError, match="broadcast failed"):
+        SharedTable.create(one_rank_group, 0, 0, cols=4)
+    assert _agreement_files() == before
