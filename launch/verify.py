@@ -24,25 +24,68 @@ import torch.multiprocessing as mp
 import ringlse
 from ringlse.testing import judge_all, ring_with_grads
 
+BACKENDS = ("triton", "sdpa", "flash", "torch")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seqlen", type=int, default=None, help="total sequence length (default: 4096 on GPU, 256 on CPU)")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--batch", type=_positive, default=1)
+    p.add_argument("--seqlen", type=_positive, default=None,
+                   help="total sequence length (default: about 4096 on GPU, 256 on CPU, rounded up to divide "
+                        "over the ranks in the chosen layouts)")
+    p.add_argument("--heads", type=_positive, default=8)
+    p.add_argument("--kv-heads", type=_positive, default=None, help="default: --heads (no GQA)")
+    p.add_argument("--head-dim", type=_positive, default=64)
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--layout", choices=ringlse.layouts.LAYOUTS, default=None,
                    help="default: zigzag when causal, contiguous otherwise")
-    p.add_argument("--backend", default="auto", help="auto, triton, sdpa, flash or torch")
+    p.add_argument("--backend", choices=("auto", *BACKENDS), default="auto")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--nproc", type=int, default=None, help="ranks to start without torchrun (default: #GPUs, else 2)")
+    p.add_argument("--nproc", type=_positive, default=None, help="ranks to start without torchrun (default: #GPUs, else 2)")
     p.add_argument("--cpu", action="store_true", help="use CPU ranks (gloo) even when GPUs exist")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.heads % (args.kv_heads or args.heads):
+        p.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    return args
+
+
+def layouts_of(args: argparse.Namespace) -> list[tuple[bool, str]]:
+    """The (causal, layout) pairs the run verifies."""
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    return [(c, args.layout or ringlse.layouts.default_layout(c)) for c in causals]
+
+
+def settle_seqlen(args: argparse.Namespace, world: int, gpu: bool) -> str | None:
+    """Fill in the default `args.seqlen` (the smallest length >= 4096 on GPU, 256 on CPU, that every
+    layout of the run divides over `world` ranks), or say in one line why the given one cannot run."""
+    if args.seqlen is None:
+        base = 4096 if gpu else 256
+        args.seqlen = next(n for n in range(base, base + 2 * world + 1)
+                           if all(_fits(layout, n, world) for _, layout in layouts_of(args)))
+        return None
+    for _, layout in layouts_of(args):
+        try:
+            ringlse.layouts.check_layout(layout, args.seqlen, world)
+        except ValueError as e:
+            return f"--seqlen: {e}"
+    return None
+
+
+def _fits(layout: str, seqlen: int, world: int) -> bool:
+    try:
+        ringlse.layouts.check_layout(layout, seqlen, world)
+    except ValueError:
+        return False
+    return True
 
 
 def run(args: argparse.Namespace) -> bool:
@@ -50,7 +93,7 @@ def run(args: argparse.Namespace) -> bool:
     rank, world = dist.get_rank(), dist.get_world_size()
     use_cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    seqlen = args.seqlen or (4096 if use_cuda else 256)
+    seqlen = args.seqlen
     hkv = args.kv_heads or args.heads
     dtype = DTYPES[args.dtype]
     gen = torch.Generator().manual_seed(args.seed)  # same inputs on every rank
@@ -60,14 +103,12 @@ def run(args: argparse.Namespace) -> bool:
 
     q, k, v = draw(args.batch, seqlen, args.heads, args.head_dim), *(draw(args.batch, seqlen, hkv, args.head_dim) for _ in "kv")
     dout = draw(args.batch, seqlen, args.heads, args.head_dim)
-    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     ok = True
     if rank == 0:
         print(f"ring_attention vs float64 reference: W={world} ({'NCCL' if use_cuda else 'gloo'}, {device.type}), "
               f"batch {args.batch}, seqlen {seqlen}, heads {args.heads}/{hkv}, head dim {args.head_dim}, "
               f"{args.dtype}, backend {args.backend}")
-    for causal in causals:
-        layout = args.layout or ringlse.layouts.default_layout(causal)
+    for causal, layout in layouts_of(args):
         ours = ring_with_grads(q, k, v, dout, causal=causal, layout=layout, backend=args.backend)
         if rank == 0:
             try:
@@ -107,7 +148,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     gpu = torch.cuda.is_available() and not args.cpu
     backend = "nccl" if gpu else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc or (torch.cuda.device_count() if gpu else 2)
+    problem = settle_seqlen(args, world, gpu)
+    if problem is not None:  # one line, from one rank, before any process group exists
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"verify.py: error: {problem}", file=sys.stderr)
+        return 2
+    if torchrun:
         if gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             ringlse.tune_nccl_env()
@@ -117,7 +165,6 @@ def main(argv=None) -> int:
             return 0 if run(args) else 1
         finally:
             dist.destroy_process_group()
-    world = args.nproc or (torch.cuda.device_count() if gpu else 2)
     with tempfile.TemporaryDirectory() as tmp:
         codes = mp.get_context("spawn").Manager().dict()
         mp.spawn(_rank_main, args=(world, f"file://{tmp}/rdzv", backend, args, codes), nprocs=world, join=True)
