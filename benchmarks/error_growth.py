@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ring import environment  # noqa: E402  (benchmarks/ring.py: GPU, versions, command)
 
 import ringlse  # noqa: E402
-from ringlse.backends import available_backends  # noqa: E402
+from ringlse.blocks import available_backends  # noqa: E402
 from ringlse.testing import RESULT_NAMES, judge_all, random_inputs, ring_with_grads  # noqa: E402
 
 

@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=_positive, default=64)
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-    p.add_argument("--layout", choices=ringlse.layouts.LAYOUTS, default=None,
+    p.add_argument("--layout", choices=ringlse.ring.LAYOUTS, default=None,
                    help="default: zigzag when causal, contiguous otherwise")
     p.add_argument("--backend", choices=("auto", *BACKENDS), default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def layouts_of(args: argparse.Namespace) -> list[tuple[bool, str]]:
     """The (causal, layout) pairs the run verifies."""
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-    return [(c, args.layout or ringlse.layouts.default_layout(c)) for c in causals]
+    return [(c, args.layout or ringlse.ring.default_layout(c)) for c in causals]
 
 
 def settle_seqlen(args: argparse.Namespace, world: int, gpu: bool) -> str | None:
@@ -74,7 +74,7 @@ def settle_seqlen(args: argparse.Namespace, world: int, gpu: bool) -> str | None
         return None
     for _, layout in layouts_of(args):
         try:
-            ringlse.layouts.check_layout(layout, args.seqlen, world)
+            ringlse.ring.plan.check_layout(layout, args.seqlen, world)
         except ValueError as e:
             return f"--seqlen: {e}"
     return None
@@ -82,7 +82,7 @@ def settle_seqlen(args: argparse.Namespace, world: int, gpu: bool) -> str | None
 
 def _fits(layout: str, seqlen: int, world: int) -> bool:
     try:
-        ringlse.layouts.check_layout(layout, seqlen, world)
+        ringlse.ring.plan.check_layout(layout, seqlen, world)
     except ValueError:
         return False
     return True

@@ -2,18 +2,16 @@
 
 Every block op returns its output and its log-sum-exp; `update_out_and_lse` / `merge_attn_states`
 merge blocks exactly; `ring_attention` passes K/V around a `torch.distributed` ring. `import ringlse`
-needs neither Triton nor a GPU: kernels load when first used.
+needs neither Triton nor a GPU: kernels load when first used. Conventions: CONVENTIONS.md.
 """
 
-from ringlse.api import attention, block_attention
-from ringlse.backends import available_backends, get_block_op
-from ringlse.chunked import chunked_attention
-from ringlse.layouts import shard, unshard
-from ringlse.lse_toolkit import log_bmm, log_softmax, logsumexp, softmax
+from ringlse import testing
+from ringlse.attention import attention, block_attention, chunked_attention
+from ringlse.blocks import available_backends, get_block_op
+from ringlse.lse import log_bmm, log_softmax, logsumexp, softmax
 from ringlse.merge import merge_attn_states, update_out_and_lse
 from ringlse.reference import reference_attention
-from ringlse.ring import ring_attention
-from ringlse.ring_comm import nccl_options, tune_nccl_env
+from ringlse.ring import nccl_options, ring_attention, shard, tune_nccl_env, unshard
 
 __all__ = [
     "attention",
@@ -30,6 +28,7 @@ __all__ = [
     "ring_attention",
     "shard",
     "softmax",
+    "testing",
     "tune_nccl_env",
     "unshard",
     "update_out_and_lse",

@@ -1,18 +1,12 @@
 """Exact attention in float64 with plain PyTorch: the yardstick every other path is checked against.
 
-No Triton here, on purpose: the reference must not share code with what it checks.
+Used by tests and `ringlse.testing` only, never by production code; and it shares no code with what
+it checks (its softmax, mask and GQA indexing are its own), so a bug there cannot hide itself.
 """
 
 from __future__ import annotations
 
 import torch
-
-from ringlse.positions import visibility_mask
-
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of lse and of running accumulators for inputs of `dtype` (DESIGN §1, §3)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def masked_softmax_and_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +64,24 @@ def reference_attention(
         (float32; float64 for float64 inputs), natural log. Rows with no visible key give `out = 0`,
         `lse = -inf`.
     """
+    out, lse = attention_math(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=q_start,
+                              k_start=k_start, dtype=torch.float64)
+    return out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+def attention_math(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    q_start: int | None = None,
+    k_start: int = 0,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention of `reference_attention` with every operation in `dtype` (float64: the reference;
+    the input dtype: the naive baseline of `ringlse.testing`). Returns `(out, lse)` in `dtype`."""
     # one check for every malformed input (3-D tensors, nheads_kv = 0 included), so callers always get
     # this ValueError rather than an unpacking error or a ZeroDivisionError
     if (
@@ -83,11 +95,12 @@ def reference_attention(
     if q_start is None:
         q_start = k_start + sk - sq
     g = h // hkv
-    q64 = q.double().reshape(b, sq, hkv, g, d)
-    scores = torch.einsum("bikgd,bjkd->bkgij", q64, k.double()) * scale
+    qg = q.to(dtype).reshape(b, sq, hkv, g, d)
+    scores = torch.einsum("bikgd,bjkd->bkgij", qg, k.to(dtype)) * scale
     if causal:
-        visible = visibility_mask(sq, sk, q_start, k_start, device=q.device)
-        scores = scores.masked_fill(~visible, float("-inf"))
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        scores = scores.masked_fill(k_start + j > q_start + i, float("-inf"))
     p, lse = masked_softmax_and_lse(scores)
-    out = torch.einsum("bkgij,bjkd->bikgd", p, v.double()).reshape(b, sq, h, d)
-    return out.to(q.dtype), lse.reshape(b, h, sq).to(lse_dtype(q.dtype))
+    out = torch.einsum("bkgij,bjkd->bikgd", p, v.to(dtype)).reshape(b, sq, h, d)
+    return out, lse.reshape(b, h, sq)

@@ -1,11 +1,11 @@
-"""How ringlse decides that a result equals softmax attention (DESIGN §7), for tests and users alike.
+"""How ringlse decides that a result equals softmax attention (CONVENTIONS.md §7), for tests and users alike.
 
 Low-precision results are judged against what the same math done naively in that precision gets
 wrong: `max|ours - ref| <= 2 * max|baseline - ref| + floor`, with `floor` the rounding of the reference
 itself in that dtype. Float32 results must be within `1e-3 * max|ref|`; float64 within
 `torch.testing.assert_close` defaults.
 
-Error growth with the world size (DESIGN §7: the error at W = 4 at most 1.25x the error at W = 1) is
+Error growth with the world size (CONVENTIONS.md §7: the error at W = 4 at most 1.25x the error at W = 1) is
 judged on the root mean square error (`Verdict.rms_err`), not the maximum. The maximum error of a bf16
 result is about half a unit in the last place of its largest entries, set by the final rounding: any
 change in the float32 sums before it moves it in steps. Measured on 4x H200 (ring at W = 4 and W = 1 on
@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringlse.reference import masked_softmax_and_lse
-from ringlse.positions import visibility_mask
+from ringlse.reference import attention_math, reference_attention
 
 
 def random_inputs(b: int, s: int, h: int, hkv: int, d: int, dtype: torch.dtype, seed: int,
@@ -47,21 +46,10 @@ def naive_attention(
     q_start: int | None = None,
     k_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The baseline: attention computed entirely in the input dtype (GQA by repeating K/V, which is
-    fine for a baseline). Same arguments and returns as `reference_attention`, lse in the input dtype.
-    """
-    b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    scale = d**-0.5 if softmax_scale is None else softmax_scale
-    if q_start is None:
-        q_start = k_start + sk - sq
-    kr = k.repeat_interleave(h // hkv, dim=2)
-    vr = v.repeat_interleave(h // hkv, dim=2)
-    s = torch.einsum("bihd,bjhd->bhij", q, kr) * scale
-    if causal:
-        s = s.masked_fill(~visibility_mask(sq, sk, q_start, k_start, device=q.device), float("-inf"))
-    p, lse = masked_softmax_and_lse(s)
-    return torch.einsum("bhij,bjhd->bihd", p, vr), lse
+    """The baseline of CONVENTIONS.md §7: the reference's attention with every operation in the input
+    dtype. Same arguments as `reference_attention`; `(out, lse)` both in q's dtype."""
+    return attention_math(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=q_start, k_start=k_start,
+                          dtype=q.dtype)
 
 
 def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
@@ -106,7 +94,7 @@ def judge(
     *,
     is_lse: bool = False,
 ) -> Verdict:
-    """Compare `ours` with the float64 `ref` by DESIGN §7 for inputs of `dtype`.
+    """Compare `ours` with the float64 `ref` by CONVENTIONS.md §7 for inputs of `dtype`.
 
     `baseline` (the naive in-dtype result) is needed for bf16/fp16 only.
     """
@@ -161,8 +149,7 @@ def ring_with_grads(q, k, v, dout, dlse=None, *, causal: bool, layout: str, back
 
     With `return_lse=False` (no `dlse` then) the differentiated call returns `out` alone, as most
     training code calls it, and the lse comes from a second, gradient-free call."""
-    from ringlse.layouts import shard, unshard
-    from ringlse.ring import ring_attention
+    from ringlse.ring import ring_attention, shard, unshard
 
     local = [shard(t, layout, group=group) for t in (q, k, v, dout)]
     if non_contiguous:  # a [b, h, n, d] storage seen as [b, n, h, d]: strided inputs must work
@@ -190,13 +177,11 @@ def ring_with_grads(q, k, v, dout, dlse=None, *, causal: bool, layout: str, back
 
 def judge_all(ours, q, k, v, dout, dlse=None, *, causal: bool) -> list[Verdict]:
     """Judge full-sequence `(out, lse, dq, dk, dv)` against the float64 reference (and, for bf16/fp16,
-    the naive in-dtype baseline) by DESIGN §7.
+    the naive in-dtype baseline) by CONVENTIONS.md §7.
 
     The references are computed one kv-head group at a time (heads are independent), so the float64
     score matrices of long sequences need `1 / nheads_kv` of the memory.
     """
-    from ringlse.reference import reference_attention
-
     kw = dict(causal=causal, q_start=0, k_start=0)
     hkv = k.shape[2]
     g = q.shape[2] // hkv

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ringlse
-from ringlse.block_torch import TORCH_BLOCK_OP
+from ringlse.blocks.torch_math import TORCH_BLOCK_OP
 from ringlse.reference import reference_attention
 from ringlse.testing import assert_judged, naive_attention
 

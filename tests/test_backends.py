@@ -21,10 +21,9 @@ import pytest
 import torch
 
 import ringlse
-from ringlse import block_flash, block_sdpa
-from ringlse.api import _BlockAttention
-from ringlse.backends import available_backends, get_block_op
-from ringlse.block_torch import torch_block_backward, torch_block_forward
+from ringlse.blocks import flash as block_flash, sdpa as block_sdpa
+from ringlse.blocks import available_backends, get_block_op
+from ringlse.blocks.torch_math import torch_block_backward, torch_block_forward
 from ringlse.merge import merge_attn_states
 from ringlse.reference import reference_attention
 from ringlse.testing import assert_judged, naive_attention
@@ -114,7 +113,7 @@ def _check_against_reference(run, b, sq, sk, h, hkv, d, dtype, device, *, causal
 def _via_block_op(op):
     def run_factory(causal, q_start, k_start):
         def run(q, k, v):
-            return _BlockAttention.apply(q, k, v, op, q.shape[-1] ** -0.5, causal, q_start, k_start)
+            return ringlse.block_attention(q, k, v, causal=causal, q_start=q_start, k_start=k_start, backend=op)
 
         return run
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringlse.blockop import torch_delta
-from ringlse.block_torch import TORCH_BLOCK_OP
+from ringlse.blocks.contract import torch_delta
+from ringlse.blocks.torch_math import TORCH_BLOCK_OP
 from ringlse.reference import reference_attention
 from ringlse.testing import assert_judged, naive_attention
 

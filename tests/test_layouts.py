@@ -9,9 +9,9 @@ import itertools
 import pytest
 import torch
 
-from ringlse.layouts import LAYOUTS, local_positions, plan_step
-from ringlse.positions import BlockKind, block_kind, visibility_mask
-from ringlse.ring import _split_keys
+from ringlse.ring.plan import LAYOUTS, local_positions, plan_step
+from ringlse.masks import BlockKind, block_kind, visibility_mask
+from ringlse.ring.loop import _split_keys
 
 
 def _covered(calls, n: int) -> torch.Tensor:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringlse.blockop import GradPart
-from ringlse.part_sum import MAX_PENDING, PartSum, sum_parts
+from ringlse.merge import GradPart
+from ringlse.merge import MAX_PENDING, PartSum, sum_parts
 
 # (batch, rows, heads, headdim, [(start, length, dtype, scale), ...])
 CASES = [

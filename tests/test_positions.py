@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from ringlse.positions import (
+from ringlse.masks import (
     BlockKind,
     Piece,
     block_kind,

@@ -10,7 +10,7 @@ import torch
 
 import ring_workers as rw
 from dist_harness import run_ranks
-from ringlse.backends import available_backends
+from ringlse.blocks import available_backends
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -70,15 +70,13 @@ def test_ring_gpu_error_does_not_grow_with_world_size(backend, hkv, tmp_path):
     assert not bad, f"{backend} hkv={hkv}:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("agreement", ["shared", "host", "device"])
 @pytest.mark.parametrize("world", _world_sizes(), ids=lambda w: f"W{w}")
-def test_ring_gpu_bad_inputs_raise_on_every_rank(world, agreement, tmp_path):
-    """On NCCL too (the agreement goes through a table in host shared memory, a gloo group of the
-    same ranks, or without gloo an NCCL gather on a side stream): every rank raises ValueError, nobody
-    hangs, and the group still works afterwards."""
+def test_ring_gpu_bad_inputs_raise_on_every_rank(world, tmp_path):
+    """On NCCL too (the agreement goes through a gloo group of the same ranks): every rank raises
+    ValueError, nobody hangs, and the group still works afterwards."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    per_rank = run_ranks(rw.expect_value_errors, world, tmp_path, 3, agreement, timeout=180, backend="nccl")
+    per_rank = run_ranks(rw.expect_value_errors, world, tmp_path, 3, timeout=180, backend="nccl")
     for rank, results in enumerate(per_rank):
         for name, raised, message in results:
             assert raised, f"W={world} rank {rank}: {name}: {message}"

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from ringlse.blockop import StatePart
-from ringlse.state_parts import MAX_PENDING, StateMerge, merge_parts
+from ringlse.merge import StatePart
+from ringlse.merge import MAX_PENDING, StateMerge, merge_parts
 
 # (batch, rows, heads, headdim, [(start, length, out dtype), ...])
 CASES = [

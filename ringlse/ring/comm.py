@@ -1,17 +1,17 @@
-"""Point-to-point plumbing of the ring, and the agreement that makes ranks compare their inputs before
-any K/V moves (so a mismatch raises everywhere instead of hanging): a table in host shared memory, a
-gloo gather, or an NCCL gather (`RingComm.post_agreement`)."""
+"""Point-to-point plumbing of the ring (`RingComm`, one per live process group) and the NCCL settings
+its transfers run best with."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from ringlse.shared_table import SharedTable
+from ringlse.ring.agree import Agreement, post_agreement
 
 # NCCL picks how many channels carry a point-to-point message from its size in chunks: with the
 # default 512 KiB NVLink chunk, a 64-128 MiB K/V block moved at ~110 GiB/s on 4xH200 (NCCL 2.28),
@@ -43,24 +43,10 @@ def nccl_options():
     return options
 
 
-# One RingComm per live process group, held weakly: a comm (and the gloo group and shared table it
-# made) goes when its group does. A strong cache kept destroyed groups alive until interpreter exit,
-# where their late destruction aborted one rank in about a third of torchrun runs.
+# One RingComm per live process group, held weakly: a comm (and the gloo group and copy-engine
+# workspaces it made) goes when its group does. A strong cache kept destroyed groups alive until
+# interpreter exit, where their late destruction aborted one rank in about a third of torchrun runs.
 _COMMS: weakref.WeakKeyDictionary[dist.ProcessGroup, RingComm] = weakref.WeakKeyDictionary()
-_AGREEMENT_COLS = 32  # integers per rank in a shared agreement table (a ring call posts 15)
-
-
-class Agreement:
-    """The pending comparison of the ranks' inputs (`RingComm.post_agreement`): `ready()` says
-    whether every rank's row is in (without waiting); calling it waits for them and raises
-    ValueError on every rank when any rank's inputs are bad or two ranks disagree."""
-
-    def __init__(self, ready: Callable[[], bool], check: Callable[[], None]):
-        self.ready = ready
-        self._check = check
-
-    def __call__(self) -> None:
-        self._check()
 
 
 class RingComm:
@@ -97,14 +83,15 @@ class RingComm:
         self.next = self.global_ranks[(self.rank + 1) % self.world]
         self.prev = self.global_ranks[(self.rank - 1) % self.world]
         self._stream: torch.cuda.Stream | None = None
-        # "shared", "host" or "device" (see `post_agreement`); None: decided on the first call
-        self.agreement: str | None = None
-        # a gloo group of the same ranks, made for an NCCL group; a gloo group is its own (read
-        # through `group`, never kept here: a strong reference would keep it alive, see `_COMMS`)
+        # a gloo group of the same ranks, made for a group of another backend on its first agreement;
+        # a gloo group is its own (read through `group`, never kept here: a strong reference would
+        # keep it alive, see `_COMMS`)
         self._gloo_twin: dist.ProcessGroup | None = None
-        self._table: SharedTable | None = None
-        self._calls = 0  # agreements posted through the shared table (numbered alike on every rank)
-        self._decided = False
+        # what the copy-engine transport keeps per device (`ringlse.ring.pull`): freed with the comm,
+        # that is with its group
+        self.same_host: bool | None = None
+        self.pull_workspaces: dict[int, list] = {}
+        self.retired_workspaces: list = []
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -158,88 +145,25 @@ class RingComm:
 
     def post_agreement(self, meta: Sequence[int], error: str | None) -> Agreement:
         """Start comparing `meta` (ints describing this rank's inputs) and its local `error` across
-        ranks; returns the pending `Agreement`: calling it raises ValueError on every rank if any
-        rank has an error or any two disagree (the same decision everywhere), and returns quietly
-        otherwise; `ready()` says whether that would return without waiting.
+        the ranks (`ringlse.ring.agree`); every rank calls it once per ring call."""
+        if self.world > 1 and self.backend != "gloo" and self._gloo_twin is None:
+            # only the members take part in making it; it waits as long as the group would
+            self._gloo_twin = dist.new_group(self.global_ranks, backend="gloo", timeout=self.timeout(),
+                                             use_local_synchronization=True)
+        return post_agreement(self.rank, self.world, self._host_group(), meta, error)
 
-        Where the comparison happens is decided collectively on the group's first call
-        (`agreement`): `"shared"`, a table in host shared memory (every rank on one x86-64 host: no
-        round trip, `ringlse.shared_table`); `"host"`, a gloo gather (the group itself, or for NCCL a
-        gloo group of the same ranks); `"device"`, an NCCL gather on a side stream (NCCL without
-        gloo), which waits for that gather alone, not for kernels queued on the current stream.
-        None of them waits for kernels, so a caller can queue local work before checking."""
-        if self.world == 1:
-            def check_alone() -> None:
-                if error is not None:
-                    raise ValueError(error)
-            return Agreement(lambda: True, check_alone)
-        row = [0 if error is None else 1, *meta]
-        mode = self._agreement_mode()
-        if mode == "shared":
-            self._calls += 1
-            seq, table = self._calls, self._table
-            table.post(seq, row)
-            return Agreement(lambda: table.arrived(seq), lambda: self._decide(table.gather(seq), error))
-        if mode == "host":
-            table_cpu = torch.empty((self.world, len(row)), dtype=torch.int64)
-            work = dist.all_gather(list(table_cpu.unbind(0)), torch.tensor(row, dtype=torch.int64),
-                                   group=self._host_group(), async_op=True)
+    def timeout(self) -> datetime.timedelta:
+        """The process group's timeout (torch's default where the group does not say)."""
+        device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
+        try:
+            return self.group_or_world()._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            return dist.default_pg_timeout
 
-            def check_host() -> None:
-                work.wait()
-                self._decide(table_cpu.tolist(), error)
-            return Agreement(work.is_completed, check_host)
-        # NCCL only moves CUDA tensors; decide the device from the group, not from (maybe bad) inputs
-        stream = self._side_stream()
-        with torch.cuda.stream(stream):
-            row_gpu = torch.tensor(row, dtype=torch.int64).pin_memory().to("cuda", non_blocking=True)
-            table = torch.empty((self.world, len(row)), dtype=torch.int64, device="cuda")
-            dist.all_gather_into_tensor(table, row_gpu, group=self.group)
-            table_cpu = torch.empty(table.shape, dtype=torch.int64, pin_memory=True)
-            table_cpu.copy_(table, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        in_flight = (row_gpu, table)  # alive until the copy is done
-
-        def check_nccl() -> None:
-            done.synchronize()
-            assert in_flight
-            self._decide(table_cpu.tolist(), error)
-        return Agreement(done.query, check_nccl)
-
-    def _agreement_mode(self) -> str:
-        """`self.agreement`, decided on the first call, collectively (every rank of the group makes
-        its first ring call together): the best available, or the one set before that call (tests
-        force each); "shared" falls back to "host" where the ranks cannot share a table."""
-        if self._decided:
-            return self.agreement
-        wanted = self.agreement
-        if wanted == "device" or (self.backend != "gloo" and not dist.is_gloo_available()):
-            self.agreement = "device"
-        else:
-            # only the members take part in making the gloo group and the table
-            if self.backend != "gloo":
-                self._gloo_twin = dist.new_group(self.global_ranks, backend="gloo", use_local_synchronization=True)
-            if wanted in (None, "shared"):
-                self._table = SharedTable.create(self._host_group(), self.rank, self.global_ranks[0], _AGREEMENT_COLS)
-            self.agreement = "shared" if self._table is not None else "host"
-        self._decided = True
-        return self.agreement
+    def group_or_world(self) -> dist.ProcessGroup:
+        """The process group object (the default group for `group=None`)."""
+        return self.group if self.group is not None else dist.group.WORLD
 
     def _host_group(self) -> dist.ProcessGroup | None:
         """The gloo group the host-side agreement runs over."""
         return self.group if self._gloo_twin is None else self._gloo_twin
-
-    def _decide(self, rows: list[list[int]], error: str | None) -> None:
-        if error is not None:
-            raise ValueError(f"rank {self.rank}: {error}")
-        bad = [r for r in range(self.world) if rows[r][0] != 0]
-        if bad:
-            raise ValueError(f"rank {self.rank}: ranks {bad} reported invalid input (see their errors)")
-        mine = rows[self.rank][1:]
-        differs = [r for r in range(self.world) if rows[r][1:] != mine]
-        if differs:
-            raise ValueError(
-                f"rank {self.rank}: ranks disagree on shapes/dtype/options: mine {mine}, "
-                + ", ".join(f"rank {r} {rows[r][1:]}" for r in differs)
-            )

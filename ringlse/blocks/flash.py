@@ -7,7 +7,7 @@ signatures changed across 2.x releases (window_size in 2.3, alibi_slopes/determi
 softcap in 2.6, window_size_left/right and a 4-tuple return in 2.6.3+/2.7), so arguments are passed by
 parameter name and the lse is picked by the length of the returned tuple.
 
-Everything else comes from the driver in `ringlse.block_sdpa`: causal blocks at global offsets are cut
+Everything else comes from the driver in `ringlse.blocks.fused`: causal blocks at global offsets are cut
 into pieces and merged, except the bottom-right case `q_start - k_start == seqlen_k - seqlen_q`
 (with `seqlen_q <= seqlen_k`), which flash-attn >= 2.1 runs in one call; the lse-gradient term for a
 delta the kernels do not take. GQA is native (K/V are not repeated). Head dims that are not a multiple
@@ -22,8 +22,8 @@ from functools import cache
 
 import torch
 
-from ringlse.block_sdpa import _KernelSet, _norm_lse, fused_block_op
-from ringlse.positions import Piece, split_causal_block
+from ringlse.blocks.fused import KernelSet, fused_block_op, norm_lse
+from ringlse.masks import Piece, split_causal_block
 
 
 @cache
@@ -86,7 +86,7 @@ def _flash_forward(q, k, v, causal, scale):
     r = _call_by_name(iface._flash_attn_forward, q=_pad8(q), k=_pad8(k), v=_pad8(v), **_common(causal, scale))
     # 2.0-2.6: (out, q, k, v, out_padded, lse, S_dmask[, rng_state]); later: (out_padded, lse, S_dmask, rng_state)
     out, lse = r[0], (r[5] if len(r) >= 7 else r[1])
-    return out[..., :d], _norm_lse(lse, q.shape[1])  # +inf on empty rows -> -inf (DESIGN §2)
+    return out[..., :d], norm_lse(lse, q.shape[1])  # +inf on empty rows -> -inf (DESIGN §2)
 
 
 def _flash_backward(dout, q, k, v, out, lse, causal, scale):
@@ -109,7 +109,7 @@ def _flash_causal_pieces(sq: int, sk: int, q_start: int, k_start: int) -> list[P
     return split_causal_block(sq, sk, q_start, k_start)
 
 
-FLASH_KERNELS = _KernelSet(
+FLASH_KERNELS = KernelSet(
     forward=_flash_forward, backward=_flash_backward, native_gqa=True, causal_pieces=_flash_causal_pieces
 )
 

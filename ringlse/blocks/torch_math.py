@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from ringlse.blockop import BlockOp
+from ringlse.blocks.contract import BlockOp
+from ringlse.checks import lse_dtype
+from ringlse.masks import visibility_mask
 from ringlse.merge import merge_weights
-from ringlse.positions import visibility_mask
-from ringlse.reference import lse_dtype, masked_softmax_and_lse
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, q_start: int, k_start: int) -> torch.Tensor:
@@ -38,12 +38,12 @@ def torch_block_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, sq, h, d = q.shape
     s = _scores(q, k, softmax_scale, causal, q_start, k_start)
-    p, lse = masked_softmax_and_lse(s)
+    p, lse = merge_weights(s, dim=-1)
     out = torch.einsum("bkgij,bjkd->bikgd", p, v.to(s.dtype)).reshape(b, sq, h, d)
     lse = lse.reshape(b, h, sq)
     if out_acc is None:
         return out.to(q.dtype), lse
-    w, merged = merge_weights(torch.stack([lse_acc, lse]))
+    w, merged = merge_weights(torch.stack([lse_acc, lse]))  # the running state and the block
     wt = w.transpose(-1, -2).unsqueeze(-1)  # [2, b, sq, h, 1]
     out_acc.copy_(wt[0] * out_acc + wt[1] * out)
     lse_acc.copy_(merged)

@@ -1,6 +1,6 @@
 """The block-op contract: what the ring loop, `chunked_attention` and `block_attention` call.
 
-A block op attends one block of queries to one block of keys with global start positions (DESIGN §4)
+A block op attends one block of queries to one block of keys with global start positions (CONVENTIONS.md §4)
 and comes as two plain functions, so the same loop runs with the PyTorch op on CPU and with Triton,
 SDPA or flash-attn kernels on GPU.
 
@@ -8,13 +8,13 @@ forward(q, k, v, *, softmax_scale, causal, q_start, k_start, out_acc=None, lse_a
     q `[b, sq, h, d]`, k/v `[b, sk, hkv, d]`. Without accumulators: returns `(out, lse)`, `out` in
     q's dtype, `lse` `[b, h, sq]` float32 (float64 for float64 inputs). With `out_acc` `[b, sq, h, d]`
     and `lse_acc` `[b, h, sq]` (float32/float64, possibly strided views into larger buffers): merges
-    the block into them in place (DESIGN §3, `-inf`-safe) and returns them.
+    the block into them in place (CONVENTIONS.md §3, `-inf`-safe) and returns them.
 
 forward_parts(q, k, v, *, softmax_scale, causal, q_start, k_start)
     Optional, for ops whose kernels return their state as new tensors (cuDNN, flash-attn): the block's
     state as `StatePart`s (`out` in q's dtype, `lse` float32, each placed at its first row within the
     block's query rows), not merged with each other. Callers merge all parts of all blocks once
-    (`ringlse.state_parts`) instead of merging each into float32 accumulators.
+    (`ringlse.merge.StateMerge`) instead of merging each into float32 accumulators.
 
 backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_start, dq_acc, dk_acc, dv_acc,
          lse_grad=None)
@@ -30,37 +30,22 @@ backward_parts(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start
     Optional, for ops whose kernels return gradients as new tensors (cuDNN, flash-attn): the same
     gradients as `backward`, returned instead of added, as `BlockGrads` of `GradPart`s (a tensor in
     any float dtype, its first row within the block's query or key rows, and a scale). Callers sum
-    the parts in float32 (`ringlse.part_sum`) when and where they like, e.g. send a K/V block's parts
+    the parts in float32 (`ringlse.merge.PartSum`) when and where they like, e.g. send a K/V block's parts
     to the rank that owns it without ever forming a float32 accumulator.
 
-Callers skip blocks that `positions.block_kind` calls EMPTY and pass `causal=False` for FULL ones.
+Callers skip blocks that `masks.block_kind` calls EMPTY and pass `causal=False` for FULL ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
-from ringlse.reference import lse_dtype
-
-
-class GradPart(NamedTuple):
-    """`scale * value` placed at rows `[start, start + value.shape[1])` of a `[b, rows, heads, d]` gradient."""
-
-    start: int
-    value: torch.Tensor
-    scale: float = 1.0
-
-
-class StatePart(NamedTuple):
-    """An attention state `out` `[b, rows, h, d]`, `lse` `[b, h, rows]` placed at rows `[start, start + rows)`."""
-
-    start: int
-    out: torch.Tensor
-    lse: torch.Tensor
+from ringlse.checks import lse_dtype
+from ringlse.merge import GradPart, StatePart
 
 
 class BlockGrads(NamedTuple):
@@ -115,3 +100,43 @@ def torch_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`rowsum(dout * out)`: `[b, s, h, d]` x2 -> `[b, h, s]`, float32 (float64 for float64)."""
     acc = lse_dtype(out.dtype)
     return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+
+
+class AttentionPlan(Protocol):
+    """What `planned_attention` runs: a block op and how a call uses it, forward and backward."""
+
+    op: BlockOp
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(out, lse)` of the whole call (`out` in any float dtype: cast to q's)."""
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, delta: torch.Tensor | None, lse_grad: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(dq, dk, dv)` in the inputs' dtypes (`BlockOp.backward_inputs` made `dout`, `delta`,
+        `lse_grad`)."""
+
+
+class _PlannedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: AttentionPlan):
+        ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero gradient
+        out, lse = plan.forward(q, k, v)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, g_out, g_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        dout, delta, lse_grad = plan.op.backward_inputs(g_out, g_lse, out)
+        return (*plan.backward(dout, q, k, v, out, lse, delta, lse_grad), None)
+
+
+def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(out, lse)` of `plan`, differentiable in q, k, v through `out` and `lse` (the one autograd
+    skeleton of single-device, chunked and ring attention)."""
+    return _PlannedAttention.apply(q, k, v, plan)

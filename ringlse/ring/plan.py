@@ -1,4 +1,4 @@
-"""Sequence layouts across W ranks (DESIGN §5), `shard`/`unshard`, and the per-step block plan.
+"""Sequence layouts across W ranks (CONVENTIONS.md §5), `shard`/`unshard`, and the per-step block plan.
 
 A layout says which global positions each rank holds. Every layout keeps a rank's positions
 increasing in local index, as one or two runs of a fixed stride; the ring only needs those runs
@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ringlse.positions import BlockKind, block_kind
+from ringlse.masks import BlockKind, block_kind
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 

@@ -8,8 +8,30 @@ import torch
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of lse and of running accumulators for inputs of `dtype` (CONVENTIONS.md §1, §3)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_flag(value: object, name: str, what: str) -> bool:
+    """`value` if it is a bool; TypeError otherwise (`causal="yes"` must not pass as true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what}: {name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_scale(softmax_scale: float | None, headdim: int, what: str) -> float:
+    """The softmax scale: `headdim ** -0.5` by default, else `softmax_scale` as a finite float."""
+    if softmax_scale is None:
+        return headdim**-0.5
+    scale = float(softmax_scale)
+    if scale != scale or scale in (float("inf"), float("-inf")):
+        raise ValueError(f"{what}: softmax_scale must be finite, got {softmax_scale!r}")
+    return scale
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
-    """Raise ValueError unless q `[b, sq, h, d]`, k/v `[b, sk, hkv, d]` agree (DESIGN §1)."""
+    """Raise ValueError unless q `[b, sq, h, d]`, k/v `[b, sk, hkv, d]` agree (CONVENTIONS.md §1)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")

@@ -28,10 +28,9 @@ import socket
 import torch
 import torch.distributed as dist
 
-# (group, device) -> [buffer, handle, calls published, {(rank, shape, dtype, offset): view}]
-_WORKSPACES: dict[tuple[str, int], list] = {}
-_RETIRED: list = []  # outgrown workspaces: peers may still read them, so they are never freed
-_SAME_HOST: dict[str, bool] = {}
+# Workspaces live on the group's `RingComm` (`pull_workspaces`: device -> [buffer, handle, calls
+# published, {(rank, shape, dtype, offset): view}]; outgrown ones in `retired_workspaces`, since peers
+# may still read them), so they are freed when the group is destroyed. The side streams are per device.
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -41,10 +40,6 @@ def _symm_mem():
     except ImportError:
         return None
     return symm_mem if hasattr(symm_mem, "rendezvous") and hasattr(symm_mem, "empty") else None
-
-
-def _group_name(group: dist.ProcessGroup | None) -> str:
-    return (group if group is not None else dist.group.WORLD).group_name
 
 
 def use_copy_engines(comm) -> bool:
@@ -57,19 +52,18 @@ def use_copy_engines(comm) -> bool:
     environment may differ between them."""
     if comm.world == 1 or comm.backend != "nccl":
         return False
-    name = _group_name(comm.group)
-    if name not in _SAME_HOST:
+    if comm.same_host is None:
         # a tensor gather of host-name digests (object collectives need numpy; Python's hash() differs
         # between processes): NCCL moves CUDA tensors only
         digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest()
         mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device="cuda")
         hosts = torch.empty(comm.world, dtype=torch.int64, device="cuda")
         dist.all_gather_into_tensor(hosts, mine, group=comm.group)
-        _SAME_HOST[name] = bool((hosts == hosts[0]).all())
+        comm.same_host = bool((hosts == hosts[0]).all())
     choice = os.environ.get("RINGLSE_KV_TRANSPORT", "auto")
     if choice not in ("auto", "nccl", "copy"):
         raise ValueError(f"RINGLSE_KV_TRANSPORT={choice!r}: choose auto, nccl or copy")
-    usable = _SAME_HOST[name] and _symm_mem() is not None
+    usable = comm.same_host and _symm_mem() is not None
     if choice == "copy" and not usable:
         raise ValueError("RINGLSE_KV_TRANSPORT=copy: needs one host and a torch with symmetric memory")
     return usable and choice != "nccl"
@@ -105,7 +99,8 @@ class PulledKV:
         self.shape = (2, *k.shape)
         self.dtype = k.dtype
         self.nbytes = 2 * k.numel() * k.element_size()
-        self.key = (_group_name(comm.group), k.device.index)
+        self.workspaces = comm.pull_workspaces
+        self.key = k.device.index
         self.stream = _side_stream(k.device)
         self.arrived: dict[int, torch.cuda.Event] = {}
         self.handle = None
@@ -113,7 +108,7 @@ class PulledKV:
         # k and v are read on the side stream: the current stream waits for a pull queued after this
         # (`wait`) before any later work of it can reuse their memory, or for everything (`abandon`)
         with torch.cuda.stream(self.stream):
-            ws = _WORKSPACES.get(self.key)
+            ws = self.workspaces.get(self.key)
             if ws is not None and ws[0].numel() >= 2 * self.nbytes:
                 self.kv = self._region(ws)
                 torch.stack([k, v], out=self.kv)
@@ -143,15 +138,15 @@ class PulledKV:
     def publish(self) -> None:
         """Make our K/V readable by the group (after the ranks agreed on their inputs: growing the
         workspace is a collective)."""
-        ws = _WORKSPACES.get(self.key)
+        ws = self.workspaces.get(self.key)
         if ws is None or ws[0].numel() < 2 * self.nbytes:
             symm_mem = _symm_mem()
             if ws is not None:
-                _RETIRED.append(ws)
+                self.comm.retired_workspaces.append(ws)
             half = -(-self.nbytes // 256) * 256  # halves aligned for any dtype
             buf = symm_mem.empty(2 * half, dtype=torch.uint8, device=self.kv.device)
-            handle = symm_mem.rendezvous(buf, self.comm.group if self.comm.group is not None else dist.group.WORLD)
-            ws = _WORKSPACES[self.key] = [buf, handle, 0, {}]
+            handle = symm_mem.rendezvous(buf, self.comm.group_or_world())
+            ws = self.workspaces[self.key] = [buf, handle, 0, {}]
         with torch.cuda.stream(self.stream):
             if self.handle is None:  # packed outside the workspace (first call, or it grew)
                 region = self._region(ws)

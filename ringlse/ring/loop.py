@@ -1,11 +1,11 @@
-"""Ring attention (DESIGN §6): exact attention over a sequence sharded across the ranks of a group.
+"""Ring attention (CONVENTIONS.md §6): exact attention over a sequence sharded across the ranks of a group.
 
 Forward, W steps: post the exchange of the current K/V (one packed buffer) with the ring neighbours,
 attend the local queries to the held K/V (merging into float32 accumulators inside the block op, or,
 for ops that return their states as tensors, keeping them as parts merged once at the end), wait,
 swap buffers. Backward reuses the global `out`/`lse`, computes `delta` once, brings the K/V
 round the ring again, keeps `dq` locally and sends each block's `dk`/`dv` straight to the block's
-owner, which sums them once at the end (DESIGN §6 lets partial sums travel the ring instead; sending
+owner, which sums them once at the end (CONVENTIONS.md §6 lets partial sums travel the ring instead; sending
 parts home costs the same transfers, needs no float32 accumulator per hop, and lets bf16 kernel
 outputs travel as they are). The rank's own block hides the first transfer (and, split in two by
 keys in the backward, the last one). The block op is a parameter, so the same loop runs on gloo/CPU
@@ -20,16 +20,15 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ringlse.backends import get_block_op
-from ringlse.blockop import BlockOp, GradPart
-from ringlse.kv_pull import PulledKV, use_copy_engines
-from ringlse.layouts import LAYOUTS, BlockCall, check_layout, default_layout, plan_step
-from ringlse.part_sum import PartSum, sum_parts
-from ringlse.positions import BlockKind, block_kind
-from ringlse.reference import lse_dtype
-from ringlse.ring_comm import Agreement, RingComm
-from ringlse.state_parts import StateMerge
-from ringlse.validation import SUPPORTED_DTYPES, check_qkv
+from ringlse.blocks import get_block_op
+from ringlse.blocks.contract import BlockOp, planned_attention
+from ringlse.checks import SUPPORTED_DTYPES, check_flag, check_qkv, check_scale, lse_dtype
+from ringlse.masks import BlockKind, block_kind
+from ringlse.merge import GradPart, PartSum, StateMerge, sum_parts
+from ringlse.ring.agree import Agreement
+from ringlse.ring.comm import RingComm
+from ringlse.ring.plan import LAYOUTS, BlockCall, check_layout, default_layout, plan_step
+from ringlse.ring.pull import PulledKV, use_copy_engines
 
 _KV_TAG, _DKV_TAG = 1, 2
 
@@ -282,36 +281,33 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
     return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, peer_plans, with_lse: bool, pull: bool,
-                check):
-        ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero gradient
-        out_acc, lse = _ring_forward(q, k, v, op, scale, comm, plans, check, pull)
-        out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (op, scale, comm, plans, peer_plans, with_lse, pull)
-        return out, lse
+class _RingPlan:
+    """One ring call: forward and backward over the blocks as they come round (`AttentionPlan`)."""
 
-    @staticmethod
-    def backward(ctx, g_out, g_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        op, scale, comm, plans, peer_plans, with_lse, pull = ctx.args
-        g_out, delta, lse_grad = op.backward_inputs(g_out, g_lse, out)
-        dq, dk, dv = _ring_backward(g_out, q, k, v, out, lse, delta, lse_grad, op, scale, comm, plans, peer_plans,
-                                    with_lse, pull)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+    def __init__(self, op: BlockOp, scale: float, comm: RingComm, plans, peer_plans, with_lse: bool, pull: bool,
+                 check: Agreement):
+        self.op, self.scale, self.comm, self.plans, self.peer_plans = op, scale, comm, plans, peer_plans
+        self.with_lse, self.pull, self.check = with_lse, pull, check
+
+    def forward(self, q, k, v):
+        return _ring_forward(q, k, v, self.op, self.scale, self.comm, self.plans, self.check, self.pull)
+
+    def backward(self, dout, q, k, v, out, lse, delta, lse_grad):
+        return _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, self.op, self.scale, self.comm, self.plans,
+                              self.peer_plans, self.with_lse, self.pull)
 
 
 _LAYOUT_CODES = {name: i for i, name in enumerate(LAYOUTS)}
 _DTYPE_CODES = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 
 
-def _local_error(q, k, v, layout: str, comm: RingComm) -> str | None:
+def _local_error(q, k, v, layout: str, causal, return_lse, comm: RingComm) -> str | None:
     """Everything a rank can check alone, as a message instead of an exception, so that every rank
     still reaches the agreement collective and raises together."""
     try:
         check_qkv(q, k, v, "ring_attention")
+        check_flag(causal, "causal", "ring_attention")
+        check_flag(return_lse, "return_lse", "ring_attention")
         if q.shape[1] != k.shape[1]:
             raise ValueError(f"ring_attention: local q and k/v lengths differ ({q.shape[1]} vs {k.shape[1]}); "
                              "each rank must hold the same positions of q, k and v")
@@ -361,25 +357,26 @@ def ring_attention(
             dtypes, devices, divisibility) or the ranks disagree on shapes/dtype/options.
     """
     comm = RingComm.for_group(group)
-    layout = default_layout(causal) if layout is None else layout
-    error = _local_error(q, k, v, layout, comm) if layout in LAYOUTS else f"unknown layout {layout!r}; choose one of {LAYOUTS}"
+    layout = default_layout(causal is True) if layout is None else layout
+    error = _local_error(q, k, v, layout, causal, return_lse, comm) if layout in LAYOUTS else \
+        f"unknown layout {layout!r}; choose one of {LAYOUTS}"
     try:  # every rank of an NCCL group, whatever its inputs: the first call per group is collective
         pull = use_copy_engines(comm)
     except ValueError as e:
         pull, error = False, error or str(e)
     scale = None
     if error is None:
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
         try:
-            op = get_block_op(backend, q.device)
-        except ValueError as e:
+            scale = check_scale(softmax_scale, q.shape[-1], "ring_attention")
+            op = get_block_op(backend, q.device, q.dtype)
+        except (ValueError, TypeError) as e:
             error = str(e)
     shapes = [*q.shape, *k.shape] if error is None else [-1] * 8
-    meta = [*shapes, _DTYPE_CODES.get(q.dtype, -1) if error is None else -1, int(causal),
-            _LAYOUT_CODES.get(layout, -1), round((scale or 0.0) * 2**30), int(return_lse), int(pull)]
+    meta = [*shapes, _DTYPE_CODES.get(q.dtype, -1) if error is None else -1, int(causal is True),
+            _LAYOUT_CODES.get(layout, -1), round((scale or 0.0) * 2**30), int(return_lse is True), int(pull)]
     check = comm.post_agreement(meta, error)
     if error is not None:
         check()  # raises on every rank; the others raise in their check() below
     plans, peer_plans = _plans(layout, comm.rank, comm.world, q.shape[1], causal)
-    out, lse = _RingAttention.apply(q, k, v, op, scale, comm, plans, peer_plans, return_lse, pull, check)
+    out, lse = planned_attention(q, k, v, _RingPlan(op, scale, comm, plans, peer_plans, return_lse, pull, check))
     return (out, lse) if return_lse else out

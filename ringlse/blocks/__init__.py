@@ -1,0 +1,118 @@
+"""Block ops: the contract (`ringlse.blocks.contract`), one module per backend, and this registry.
+
+| name     | module                          | what                                               |
+| -------- | ------------------------------- | -------------------------------------------------- |
+| `triton` | `ringlse.blocks.triton_kernels` | ringlse's Triton kernels (`ringlse.kernels`)       |
+| `sdpa`   | `ringlse.blocks.sdpa`           | PyTorch's fused attention ops (cuDNN, flash, ...)  |
+| `flash`  | `ringlse.blocks.flash`          | the flash-attn 2 package                           |
+| `torch`  | `ringlse.blocks.torch_math`     | PyTorch math, any device and dtype                 |
+
+A backend module is imported only when its op is asked for, so `import ringlse` needs neither Triton
+nor a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from functools import cache
+
+import torch
+
+from ringlse.blocks.contract import BlockOp
+from ringlse.kernel_import import have_triton, interpreting
+
+_HALF = (torch.bfloat16, torch.float16)
+# name -> (module, attribute holding the BlockOp, dtypes it computes)
+_BACKENDS: dict[str, tuple[str, str, tuple[torch.dtype, ...]]] = {
+    "triton": ("ringlse.blocks.triton_kernels", "TRITON_BLOCK_OP", (*_HALF, torch.float32)),
+    "sdpa": ("ringlse.blocks.sdpa", "SDPA_BLOCK_OP", (*_HALF, torch.float32)),
+    "flash": ("ringlse.blocks.flash", "FLASH_BLOCK_OP", _HALF),
+    "torch": ("ringlse.blocks.torch_math", "TORCH_BLOCK_OP", (*_HALF, torch.float32, torch.float64)),
+}
+# what `auto` takes on CUDA, first that can run the call
+_AUTO_CUDA = ("triton", "sdpa", "torch")
+
+
+@cache
+def _flash_attn_2_missing() -> str | None:
+    """Why flash-attn 2's interface cannot be used, or None (imported once, on first ask)."""
+    try:
+        importlib.import_module("flash_attn.flash_attn_interface")
+    except ImportError as err:
+        cute = _has_module("flash_attn") and _has_module("flash_attn.cute")
+        extra = " (FlashAttention-4, flash_attn.cute, is installed, but this backend speaks flash-attn 2)" if cute else ""
+        return f"flash-attn 2 is not installed: {err}{extra}"
+    return None
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def backend_unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str | None:
+    """Why backend `name` cannot run on `device` (with inputs of `dtype`, if given), or None."""
+    if name not in _BACKENDS:
+        return f"unknown backend {name!r}"
+    device = torch.device(device)
+    if dtype is not None and dtype not in _BACKENDS[name][2]:
+        return f"{name} does not compute {dtype} (it takes {', '.join(str(d) for d in _BACKENDS[name][2])})"
+    if name == "torch":
+        return None
+    if name == "triton":
+        if not have_triton():
+            return "triton is not installed"
+        if device.type != "cuda" and not interpreting():
+            return "triton needs a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)"
+        return None
+    if device.type != "cuda":
+        return f"{name} needs a CUDA device"
+    if name == "flash":
+        missing = _flash_attn_2_missing()
+        if missing is None and torch.cuda.get_device_capability(device) < (8, 0):
+            return "flash-attn 2 needs an sm80 or newer GPU"
+        return missing
+    return None
+
+
+def available_backends(device: torch.device | str, dtype: torch.dtype | None = None) -> list[str]:
+    """Names of the backends that can run on `device` (for inputs of `dtype`, if given)."""
+    return [n for n in _BACKENDS if backend_unavailable_reason(n, device, dtype) is None]
+
+
+def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torch.dtype | None = None) -> BlockOp:
+    """The block op for `backend` on `device` and inputs of `dtype`. `auto` is the first of `triton`,
+    `sdpa`, `torch` that can run the call on CUDA (float64: `torch`), and `torch` elsewhere. A
+    `BlockOp` is returned as it is (your own kernels, or a registry op on a device it is not offered
+    for, such as `sdpa`'s CPU kernels in tests).
+
+    Raises:
+        ValueError: unknown or unavailable backend, or one that does not compute `dtype`; the
+            message lists what is available.
+        TypeError: `backend` is neither a name nor a `BlockOp`.
+    """
+    if isinstance(backend, BlockOp):
+        return backend
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a name or a BlockOp, got {type(backend).__name__}")
+    device = torch.device(device)
+    if backend == "auto":
+        candidates = _AUTO_CUDA if device.type == "cuda" else ("torch",)
+        name = next((n for n in candidates if backend_unavailable_reason(n, device, dtype) is None), "torch")
+    else:
+        name = backend
+    reason = backend_unavailable_reason(name, device, dtype)
+    if reason is not None:
+        raise ValueError(
+            f"backend {backend!r} is not available on {device.type}"
+            + (f" for {dtype}" if dtype is not None else "")
+            + f": {reason}; available here: {available_backends(device, dtype)} (or 'auto')"
+        )
+    module, attr, _ = _BACKENDS[name]
+    return getattr(importlib.import_module(module), attr)
+
+
+__all__ = ["BlockOp", "available_backends", "backend_unavailable_reason", "get_block_op"]
