@@ -7,7 +7,7 @@ Usage (on a GPU):
 Without a GPU:
     python benchmarks/block_attention.py --aot [--sweep]   # compile for sm_90 here; ptxas registers/spills
 
-FLOPs per DESIGN §8: 4·B·H·Sq·Sk·D forward, halved for causal; backward 2.5x forward. Times are
+FLOPs per CONVENTIONS.md §8: 4·B·H·Sq·Sk·D forward, halved for causal; backward 2.5x forward. Times are
 `triton.testing.do_bench` medians; inputs rotate among several sets when one set fits in L2.
 Our backward time is delta + dk/dv + dq kernels, adding into float32 accumulators (the block-op
 contract); the peers' backward is the autograd backward of `scaled_dot_product_attention`.
@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 import torch
 
-# DESIGN §9: peer figures measured on one H200, bf16, d=128, 32 heads, S=32K (non-causal, causal)
+# CONVENTIONS.md §9: peer figures measured on one H200, bf16, d=128, 32 heads, S=32K (non-causal, causal)
 PEER_FIGURES_H200 = {
     "sdpa_flash_fwd": (353, 337),
     "sdpa_flash_bwd": (318, 321),

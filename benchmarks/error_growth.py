@@ -1,10 +1,10 @@
-"""Does the ring's error grow with the world size (DESIGN §7)? Under torchrun:
+"""Does the ring's error grow with the world size (CONVENTIONS.md §7)? Under torchrun:
 
     torchrun --nproc_per_node=4 benchmarks/error_growth.py [--seeds 10] [--backends triton sdpa]
 
 For each backend, MHA and GQA (8 query heads, 8 or 2 K/V heads), head dim 128, bf16, causal, zigzag,
 S = 2048, and each seed: the ring's `(out, lse, dq, dk, dv)` on all W ranks and on rank 0 alone (W = 1),
-from the same inputs, judged against the float64 reference by DESIGN §7. Records per result the max and
+from the same inputs, judged against the float64 reference by CONVENTIONS.md §7. Records per result the max and
 RMS errors, their W / 1 ratios and the spread of those ratios over the seeds (the tests judge growth
 by the RMS ratio: `ringlse.testing` says why). Rank 0 writes
 `benchmarks/results/error_growth-<W>x<gpu>.json`.
@@ -31,7 +31,7 @@ from ringlse.testing import RESULT_NAMES, judge_all, random_inputs, ring_with_gr
 
 
 def errors(ours, inputs) -> dict:
-    """Max and RMS error per result, and whether every result is within its DESIGN §7 bound."""
+    """Max and RMS error per result, and whether every result is within its CONVENTIONS.md §7 bound."""
     q, k, v, dout, _ = inputs
     verdicts = judge_all(ours, q, k, v, dout, causal=True)
     return {"max": {vd.name: vd.max_err for vd in verdicts}, "rms": {vd.name: vd.rms_err for vd in verdicts},

@@ -1,8 +1,8 @@
-"""Fused merge bandwidth against the device copy and the eager PyTorch merge (DESIGN §8, §9).
+"""Fused merge bandwidth against the device copy and the eager PyTorch merge (CONVENTIONS.md §8, §9).
 
 For each shape: the in-place `update_out_and_lse(..., inplace=True)` (fused Triton kernel), the eager
 PyTorch merge (`ringlse.merge._MergeStates`, what `update_out_and_lse` runs without the kernel), and a
-device copy `dst.copy_(src)` of a 1 GiB buffer as the bandwidth ceiling. Bytes counted (DESIGN §9):
+device copy `dst.copy_(src)` of a 1 GiB buffer as the bandwidth ceiling. Bytes counted (CONVENTIONS.md §9):
 read state out (fp32) + block out + state lse + block lse, write state out + state lse.
 Times are `triton.testing.do_bench` medians (it flushes L2 before each run; every state here is
 larger than L2 anyway). The main shape also gets a sweep of launch configurations.

@@ -1,4 +1,4 @@
-"""Ring attention speed on one node, next to PyTorch context parallel (DESIGN §8), under torchrun:
+"""Ring attention speed on one node, next to PyTorch context parallel (CONVENTIONS.md §8), under torchrun:
 
     torchrun --nproc_per_node=4 benchmarks/ring.py [--seqlens 32768 131072] [--backends triton sdpa] [--quick]
 
@@ -51,7 +51,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def attention_flops(b: int, h: int, s: int, d: int, causal: bool, mode: str) -> float:
-    """DESIGN §8: 4·B·H·S²·D, halved for causal; backward = 2.5x forward."""
+    """CONVENTIONS.md §8: 4·B·H·S²·D, halved for causal; backward = 2.5x forward."""
     f = 4.0 * b * h * s * s * d / (2 if causal else 1)
     return f * (3.5 if mode == "fwd+bwd" else 1.0)
 
@@ -128,7 +128,7 @@ def bench_sdpa_single(b, h, hkv, s, d, causal, mode, device, budget):
 
 
 def bench_context_parallel(mesh, rotate, b, h, hkv, s, d, causal, mode, device, budget):
-    """PyTorch context parallel with the DESIGN §8 settings (load balancing = causal)."""
+    """PyTorch context parallel with the CONVENTIONS.md §8 settings (load balancing = causal)."""
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
 
@@ -218,7 +218,7 @@ def main() -> int:
         return rec
 
     # ringlse first, then the peer's single-GPU SDPA, and context parallel last: an exception inside a
-    # context_parallel block can leave its SDPA dispatcher active (DESIGN §8).
+    # context_parallel block can leave its SDPA dispatcher active (CONVENTIONS.md §8).
     todo = [("ringlse", be, shp) for shp in shapes for be in backends]
     if not args.no_peer:
         todo += [("sdpa-single", None, shp) for shp in shapes] + [("cp", None, shp) for shp in shapes]

@@ -5,7 +5,7 @@
 
 Every rank builds the same random full-sequence inputs, runs `ring_attention` on its shard, and rank 0
 compares the gathered out, lse, dq, dk, dv with the float64 `reference_attention` on the full sequence by
-DESIGN §7, printing a table. Exit code 1 on any FAIL.
+CONVENTIONS.md §7, printing a table. Exit code 1 on any FAIL.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The causal-mask position rule of DESIGN §4, shared by every block op.
+"""The causal-mask position rule of CONVENTIONS.md §4, shared by every block op.
 
 Key `j` is visible to query `i` iff `k_start + j <= q_start + i`; only the difference
 `offset = q_start - k_start` matters, so a block is visible iff `j <= i + offset`.

@@ -13,11 +13,11 @@ from ringlse.testing import RESULT_NAMES as NAMES
 from ringlse.testing import attention_with_grads, judge_all, random_inputs, ring_with_grads
 
 
-GROWTH_BAR = 1.25  # DESIGN §7: the error at W = 4 at most 1.25x the error at W = 1
+GROWTH_BAR = 1.25  # CONVENTIONS.md §7: the error at W = 4 at most 1.25x the error at W = 1
 
 
 def growth_failures(many: dict, one: dict, world: int) -> list[str]:
-    """What breaks DESIGN §7 between rank 0's results of one case at W = `world` and at W = 1: a result
+    """What breaks CONVENTIONS.md §7 between rank 0's results of one case at W = `world` and at W = 1: a result
     outside its bound at either size, or an RMS error more than `GROWTH_BAR` times W = 1's (RMS, not
     max: see the module docstring of `ringlse.testing`). Max errors are shown alongside."""
     bad = [f"W={w}: {text}" for w, r in ((world, many), (1, one)) for _, ok, text in r["verdicts"] if not ok]

@@ -1,6 +1,6 @@
 """Backends: the registry, the `sdpa` block op (PyTorch's fused kernels) and the `flash` block op.
 
-Numbers are judged by DESIGN §7 (`ringlse.testing.judge`) against the float64 `reference_attention`,
+Numbers are judged by CONVENTIONS.md §7 (`ringlse.testing.judge`) against the float64 `reference_attention`,
 for out, lse, dq, dk, dv; half-precision results against the naive in-dtype baseline.
 
 On CPU: the registry; the sdpa op through its CPU kernels (`flash_cpu`: PyTorch's CPU flash
@@ -77,7 +77,7 @@ def _loss(out, lse, dout, dlse):
 
 
 def _check_against_reference(run, b, sq, sk, h, hkv, d, dtype, device, *, causal, q_start, k_start, lse_grad, seed):
-    """Run `run(q, k, v) -> (out, lse)` with autograd and judge out, lse, dq, dk, dv by DESIGN §7."""
+    """Run `run(q, k, v) -> (out, lse)` with autograd and judge out, lse, dq, dk, dv by CONVENTIONS.md §7."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v = _qkv(b, sq, sk, h, hkv, d, dtype, device, gen)
     out, lse = run(q, k, v)
@@ -103,7 +103,7 @@ def _check_against_reference(run, b, sq, sk, h, hkv, d, dtype, device, *, causal
     assert_judged("lse", lse, ref_lse, base[1], dtype, is_lse=True)
     for name, got, ref, bl in zip(("dq", "dk", "dv"), grads, ref_grads, base[2:]):
         assert_judged(name, got, ref, bl, dtype)
-    # rows that see no key anywhere: out 0 and exactly zero gradient (DESIGN §2)
+    # rows that see no key anywhere: out 0 and exactly zero gradient (CONVENTIONS.md §2)
     empty_rows = torch.isneginf(ref_lse).all(1)  # [b, sq]
     if empty_rows.any():
         assert (grads[0][empty_rows] == 0).all()

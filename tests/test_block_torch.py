@@ -2,7 +2,7 @@
 
 Forward with and without accumulators (strided views into larger, NaN-poisoned buffers), backward
 into accumulators (the global `out`/`lse` of several key blocks), float64 exactly and fp32/bf16 by
-DESIGN §7.
+CONVENTIONS.md §7.
 """
 
 from __future__ import annotations

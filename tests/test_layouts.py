@@ -11,7 +11,7 @@ import torch
 
 from ringlse.ring.plan import LAYOUTS, local_positions, plan_step
 from ringlse.masks import BlockKind, block_kind, visibility_mask
-from ringlse.ring.loop import _split_keys
+from ringlse.ring.plan import split_keys
 
 
 def _covered(calls, n: int) -> torch.Tensor:
@@ -51,6 +51,6 @@ def test_split_keys_partitions_the_own_block(layout, world, n, causal):
     for rank in range(world):
         plan = plan_step(layout, rank, rank, world, n, causal)
         for m in range(n + 1):
-            first, last = _split_keys(plan, m)
+            first, last = split_keys(plan, m)
             assert all(c.k1 <= m for c in first) and all(c.k0 >= m for c in last)
             assert torch.equal(_covered(first + last, n), _covered(plan, n)), (rank, m)

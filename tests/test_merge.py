@@ -1,4 +1,4 @@
-"""The LSE merge (DESIGN §3): `update_out_and_lse` and `merge_attn_states`.
+"""The LSE merge (CONVENTIONS.md §3): `update_out_and_lse` and `merge_attn_states`.
 
 The core property: the per-block `(out, lse)` of ANY partition of the keys, merged in ANY order, is
 attention over all keys. Blocks come from `reference_attention` on key slices at their global

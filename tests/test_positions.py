@@ -1,4 +1,4 @@
-"""The causal position rule (DESIGN §4): `visibility_mask`, `block_kind`, `split_causal_block` and
+"""The causal position rule (CONVENTIONS.md §4): `visibility_mask`, `block_kind`, `split_causal_block` and
 `split_causal_block_top_left`.
 
 Everything is checked exhaustively on small sizes against a brute-force Python statement of the rule,

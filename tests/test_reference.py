@@ -1,4 +1,4 @@
-"""`reference_attention`, the float64 yardstick (DESIGN §7), against an independent direct computation.
+"""`reference_attention`, the float64 yardstick (CONVENTIONS.md §7), against an independent direct computation.
 
 The direct computation below loops over batch and query heads, picks the K/V head of each query head
 explicitly (`h // group`), builds its own mask from position vectors and uses `torch.softmax` /

@@ -26,7 +26,7 @@ def _cases(world: int) -> list[dict]:
     cases.append(dict(b=1, s=unit * 5, h=4, hkv=4, d=16, dtype=torch.float64, causal=True, layout="zigzag", seed=2,
                       non_contiguous=True))
     cases.append(dict(b=1, s=unit * 4, h=4, hkv=1, d=32, dtype=torch.float64, causal=True, layout="stripe", seed=3))
-    # bfloat16 by the DESIGN §7 rule
+    # bfloat16 by the CONVENTIONS.md §7 rule
     for layout in LAYOUTS:
         cases.append(dict(b=1, s=unit * 8, h=4, hkv=2, d=64, dtype=torch.bfloat16, causal=True, layout=layout, seed=4))
     cases.append(dict(b=1, s=unit * 8, h=4, hkv=2, d=64, dtype=torch.bfloat16, causal=False, layout="contiguous", seed=5))
@@ -112,7 +112,7 @@ def _sdpa_cpu_cases(world: int) -> list[dict]:
         cases.append(dict(base, s=unit * 3, hkv=2, dtype=torch.float64, causal=causal, layout=layout))
         # float64 without one: the kernels' tensors travel as they are
         cases.append(dict(base, s=unit * 3, hkv=4, dtype=torch.float64, causal=causal, layout=layout, lse_grad=False))
-    for layout in LAYOUTS:  # bf16 messages, judged by DESIGN §7
+    for layout in LAYOUTS:  # bf16 messages, judged by CONVENTIONS.md §7
         cases.append(dict(base, s=unit * 8, hkv=4, d=64, dtype=torch.bfloat16, causal=True, layout=layout))
     cases.append(dict(base, s=unit * 8, hkv=4, d=64, dtype=torch.bfloat16, causal=True, layout="zigzag",
                       return_lse=True))

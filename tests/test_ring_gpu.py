@@ -1,5 +1,5 @@
 """Ring attention on spawned NCCL ranks (one per GPU) vs the float64 reference on the full sequence,
-for every GPU backend, by DESIGN §7. Needs 2+ GPUs (4 for the W=4 cases)."""
+for every GPU backend, by CONVENTIONS.md §7. Needs 2+ GPUs (4 for the W=4 cases)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_ring_gpu_matches_reference(world, backend, tmp_path):
 @pytest.mark.parametrize("backend, hkv", [("triton", 2), ("triton", 8), ("sdpa", 2), ("sdpa", 8)],
                          ids=["triton-hkv2", "triton-hkv8", "sdpa-hkv2", "sdpa-hkv8"])
 def test_ring_gpu_error_does_not_grow_with_world_size(backend, hkv, tmp_path):
-    """RMS error at W = 4 at most 1.25x W = 1 (DESIGN §7), on three seeds; every result within its bound."""
+    """RMS error at W = 4 at most 1.25x W = 1 (CONVENTIONS.md §7), on three seeds; every result within its bound."""
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs")
     if backend not in _gpu_backends():

@@ -34,7 +34,7 @@ def _parts(b, h, d, spec, seed=0, lse_scale=3.0):
 
 
 def _expected(b, s, h, d, parts):
-    """Merge in float64 (DESIGN §3): rows no part covers, or covered only by -inf, are (0, -inf)."""
+    """Merge in float64 (CONVENTIONS.md §3): rows no part covers, or covered only by -inf, are (0, -inf)."""
     lses = torch.full((len(parts), b, h, s), float("-inf"), dtype=torch.float64)
     outs = torch.zeros(len(parts), b, s, h, d, dtype=torch.float64)
     for i, p in enumerate(parts):

@@ -86,7 +86,7 @@ def _flash_forward(q, k, v, causal, scale):
     r = _call_by_name(iface._flash_attn_forward, q=_pad8(q), k=_pad8(k), v=_pad8(v), **_common(causal, scale))
     # 2.0-2.6: (out, q, k, v, out_padded, lse, S_dmask[, rng_state]); later: (out_padded, lse, S_dmask, rng_state)
     out, lse = r[0], (r[5] if len(r) >= 7 else r[1])
-    return out[..., :d], norm_lse(lse, q.shape[1])  # +inf on empty rows -> -inf (DESIGN §2)
+    return out[..., :d], norm_lse(lse, q.shape[1])  # +inf on empty rows -> -inf (CONVENTIONS.md §2)
 
 
 def _flash_backward(dout, q, k, v, out, lse, causal, scale):

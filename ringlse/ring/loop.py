@@ -14,7 +14,6 @@ and NCCL/GPU.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -23,24 +22,13 @@ import torch.distributed as dist
 from ringlse.blocks import get_block_op
 from ringlse.blocks.contract import BlockOp, planned_attention
 from ringlse.checks import SUPPORTED_DTYPES, check_flag, check_qkv, check_scale, lse_dtype
-from ringlse.masks import BlockKind, block_kind
 from ringlse.merge import GradPart, PartSum, StateMerge, sum_parts
 from ringlse.ring.agree import Agreement
 from ringlse.ring.comm import RingComm
-from ringlse.ring.plan import LAYOUTS, BlockCall, check_layout, default_layout, plan_step
+from ringlse.ring.plan import LAYOUTS, BlockCall, check_layout, default_layout, split_keys, step_plans
 from ringlse.ring.pull import PulledKV, use_copy_engines
 
 _KV_TAG, _DKV_TAG = 1, 2
-
-
-@functools.lru_cache(maxsize=64)
-def _plans(layout: str, rank: int, world: int, n: int, causal: bool) -> tuple[tuple[tuple[BlockCall, ...], ...], ...]:
-    """`(plans, peer_plans)`: plans[s] are the block calls of step s, whose K/V came from rank
-    (rank - s) mod W; peer_plans[s] those of rank (rank + s) mod W at its step s, when it holds our
-    K/V. Cached: the same shapes come back on every call of a training run."""
-    plans = tuple(tuple(plan_step(layout, rank, (rank - s) % world, world, n, causal)) for s in range(world))
-    peer_plans = tuple(tuple(plan_step(layout, (rank + s) % world, rank, world, n, causal)) for s in range(world))
-    return plans, peer_plans
 
 
 def _event() -> torch.cuda.Event:
@@ -155,33 +143,6 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, che
     return states.result(q.dtype) if states is not None else (out, lse)
 
 
-def _split_keys(plan: Sequence[BlockCall], m: int) -> tuple[list[BlockCall], list[BlockCall]]:
-    """The calls of `plan` restricted to local keys `[0, m)` and `[m, n)`, query rows trimmed to those
-    that see any of them (a causal piece may become full or vanish).
-
-    The backward splits its own block by keys, not by query rows: the causal own block's first half
-    of keys is then one top-left causal call of all rows (rows past the diagonal see every key), and
-    its second half the square below the diagonal, so the fused kernels that take top-left masks of
-    any shape (cuDNN) return one dk/dv part per key from the own block where a split by rows gave two
-    (fewer rounded parts to sum, and one call fewer)."""
-    halves: tuple[list[BlockCall], list[BlockCall]] = ([], [])
-    for c in plan:
-        for half, (a, b) in zip(halves, ((c.k0, min(c.k1, m)), (max(c.k0, m), c.k1))):
-            if a >= b:
-                continue
-            k_start = c.k_start + (a - c.k0)
-            q0 = c.q0
-            if c.causal:  # row i sees local key j iff k_start + j <= q_start + i: skip rows before key a
-                q0 = min(c.q1, c.q0 + max(0, k_start - c.q_start))
-            q_start = c.q_start + (q0 - c.q0)
-            kind = block_kind(c.q1 - q0, b - a, q_start, k_start, c.causal)
-            if kind is BlockKind.EMPTY:
-                continue
-            partial = kind is BlockKind.PARTIAL
-            half.append(BlockCall(q0, c.q1, a, b, partial, q_start if partial else 0, k_start if partial else 0))
-    return halves
-
-
 def _message_dtype(op: BlockOp, call: BlockCall, q: torch.Tensor, k: torch.Tensor, with_lse: bool) -> torch.dtype:
     """The dtype a block call's dk/dv parts travel home in. Both ends derive it from the plan and the
     agreed inputs, so a receiver knows every message's size and dtype without being told.
@@ -254,7 +215,7 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
         return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
     # the diagonal square (second half of keys) hides the first transfer, the block's first half of
     # keys (three times the work) the gradients' last transfers home
-    own_last, own_first = _split_keys(plans[0], n // 2)
+    own_last, own_first = split_keys(plans[0], n // 2)
     kv_own, bufs, ready, pulled = _own_kv(comm, k, v, pull)
     dkv_works: list = []
     sent: list[list[torch.Tensor]] = []  # kept alive until their transfers are done
@@ -377,6 +338,6 @@ def ring_attention(
     check = comm.post_agreement(meta, error)
     if error is not None:
         check()  # raises on every rank; the others raise in their check() below
-    plans, peer_plans = _plans(layout, comm.rank, comm.world, q.shape[1], causal)
+    plans, peer_plans = step_plans(layout, comm.rank, comm.world, q.shape[1], causal)
     out, lse = planned_attention(q, k, v, _RingPlan(op, scale, comm, plans, peer_plans, return_lse, pull, check))
     return (out, lse) if return_lse else out

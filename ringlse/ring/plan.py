@@ -7,6 +7,8 @@ increasing in local index, as one or two runs of a fixed stride; the ring only n
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -80,7 +82,7 @@ def plan_step(layout: str, rank: int, src: int, world: int, n_local: int, causal
 
     Two runs of stride `d` starting at global `gq`, `gk` compare as `gk + j*d <= gq + i*d`, i.e.
     `j <= i + floor((gq - gk) / d)`: a causal block with `q_start = floor((gq - gk) / d)`, `k_start = 0`
-    in local indices. (For stripe this is DESIGN §4's `k_start = 1` when `src` is after `rank`.)
+    in local indices. (For stripe this is CONVENTIONS.md §4's `k_start = 1` when `src` is after `rank`.)
     """
     if not causal:
         return [BlockCall(0, n_local, 0, n_local, False, 0, 0)]
@@ -172,3 +174,40 @@ def unshard(x_local: torch.Tensor, layout: str, dim: int = 1, group: dist.Proces
     out = torch.empty_like(gathered)
     out.index_copy_(dim, pos, gathered)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def step_plans(layout: str, rank: int, world: int, n: int, causal: bool) -> tuple[tuple[tuple[BlockCall, ...], ...], ...]:
+    """`(plans, peer_plans)`: plans[s] are the block calls of step s, whose K/V came from rank
+    (rank - s) mod W; peer_plans[s] those of rank (rank + s) mod W at its step s, when it holds our
+    K/V. Cached: the same shapes come back on every call of a training run."""
+    plans = tuple(tuple(plan_step(layout, rank, (rank - s) % world, world, n, causal)) for s in range(world))
+    peer_plans = tuple(tuple(plan_step(layout, (rank + s) % world, rank, world, n, causal)) for s in range(world))
+    return plans, peer_plans
+
+
+def split_keys(plan: Sequence[BlockCall], m: int) -> tuple[list[BlockCall], list[BlockCall]]:
+    """The calls of `plan` restricted to local keys `[0, m)` and `[m, n)`, query rows trimmed to those
+    that see any of them (a causal piece may become full or vanish).
+
+    The backward splits its own block by keys, not by query rows: the causal own block's first half
+    of keys is then one top-left causal call of all rows (rows past the diagonal see every key), and
+    its second half the square below the diagonal, so the fused kernels that take top-left masks of
+    any shape (cuDNN) return one dk/dv part per key from the own block where a split by rows gave two
+    (fewer rounded parts to sum, and one call fewer)."""
+    halves: tuple[list[BlockCall], list[BlockCall]] = ([], [])
+    for c in plan:
+        for half, (a, b) in zip(halves, ((c.k0, min(c.k1, m)), (max(c.k0, m), c.k1))):
+            if a >= b:
+                continue
+            k_start = c.k_start + (a - c.k0)
+            q0 = c.q0
+            if c.causal:  # row i sees local key j iff k_start + j <= q_start + i: skip rows before key a
+                q0 = min(c.q1, c.q0 + max(0, k_start - c.q_start))
+            q_start = c.q_start + (q0 - c.q0)
+            kind = block_kind(c.q1 - q0, b - a, q_start, k_start, c.causal)
+            if kind is BlockKind.EMPTY:
+                continue
+            partial = kind is BlockKind.PARTIAL
+            half.append(BlockCall(q0, c.q1, a, b, partial, q_start if partial else 0, k_start if partial else 0))
+    return halves
