@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ringlse.ring_comm import RingComm
+from ringlse.ring.comm import RingComm
 
 
 def timed(fn, reps: int = 10) -> float:

@@ -13,24 +13,31 @@ anywhere) get P = 0 by treating their lse as +inf. Results are added into float3
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from ringlse.kernels.attention_fwd import (
+from ringlse.kernels.attention_common import (
+    DKDV_CHOSEN,
+    DQ_CHOSEN,
     LOG2E,
+    BwdConfig,
     block_d,
+    bwd_configs,
+    check_accumulator,
     check_dtype,
     check_qkv_shapes,
     dot_precision,
-    interpreting,
     last_dim_contiguous,
     launch_with_fallback,
+    mask_offset,
+    query_tile_key_range,
+    set_tuned_bwd_config,
 )
-from ringlse.kernels.host import cdiv
-from ringlse.positions import BlockKind, block_kind
+from ringlse.kernels.host import cdiv, interpreting
+
+# the launchers' tuning knobs live with the forward's in attention_common; benchmarks reach them here
+__all__ = ["BwdConfig", "attention_backward", "attention_delta", "bwd_configs", "set_tuned_bwd_config"]
 
 
 @triton.jit
@@ -242,15 +249,7 @@ def _attn_bwd_dq_kernel(
     v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + tl.arange(0, BLOCK_N)[None, :] * stride_vs + offs_d[:, None]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    n_even = (SK // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        n_hi = tl.maximum(tl.minimum(SK, m0 + BLOCK_M + OFFSET), 0)
-        first_sees = m0 + OFFSET + 1
-        n_full = tl.where(first_sees > 0, (first_sees // BLOCK_N) * BLOCK_N, 0)
-        n_full = tl.minimum(n_full, n_even)
-    else:
-        n_hi = SK
-        n_full = n_even
+    n_full, n_hi = query_tile_key_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, 0, n_full, SK, OFFSET,
                    qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, False, DOT_PREC)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, n_full, n_hi, SK, OFFSET,
@@ -264,72 +263,9 @@ def _attn_bwd_dq_kernel(
 # launchers
 
 
-@dataclass(frozen=True)
-class BwdConfig:
-    """Tiles of the dk/dv kernel (`kv_block_n` keys x `kv_block_m` queries per step) and of the dq
-    kernel (`q_block_m` queries x `q_block_n` keys per step)."""
-
-    kv_block_n: int
-    kv_block_m: int
-    kv_warps: int
-    kv_stages: int
-    q_block_m: int
-    q_block_n: int
-    q_warps: int
-    q_stages: int
-
-
-# (block_d, dtype, causal) -> BwdConfig chosen by timing (benchmarks/block_attention.py --sweep)
-BWD_TUNED: dict[tuple[int, torch.dtype, bool], BwdConfig] = {}
-_DKDV_CHOSEN: dict[tuple, BwdConfig] = {}
-_DQ_CHOSEN: dict[tuple, BwdConfig] = {}
-
-
-def set_tuned_bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, config: BwdConfig) -> None:
-    """Prefer `config` for this head dim/dtype/mask from now on (e.g. the winner of a sweep)."""
-    BWD_TUNED[(block_d(head_dim), dtype, causal)] = config
-    _DKDV_CHOSEN.clear()
-    _DQ_CHOSEN.clear()
-
-
-def bwd_configs(head_dim: int, dtype: torch.dtype, causal: bool) -> list[BwdConfig]:
-    """Candidate configs, best first (timed on H200, see benchmarks/NOTES.md); later ones are
-    fallbacks for GPUs with fewer registers/shared memory."""
-    if interpreting():
-        return [BwdConfig(32, 16, 4, 1, 32, 16, 4, 1)]
-    bd = block_d(head_dim)
-    tuned = [BWD_TUNED[(bd, dtype, causal)]] if (bd, dtype, causal) in BWD_TUNED else []
-    if dtype == torch.float32:
-        return tuned + [BwdConfig(64, 32, 4, 2, 64, 32, 4, 2), BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)]
-    # sweep on H200 (benchmarks/NOTES.md, step 1), each kernel timed alone
-    if bd <= 64:
-        kv = (64, 64, 4, 3) if causal else (64, 32, 4, 3)
-        return tuned + [BwdConfig(*kv, 128, 32, 8, 3), BwdConfig(64, 32, 4, 2, 64, 32, 4, 2)]
-    if bd <= 128:
-        return tuned + [BwdConfig(128, 64, 8, 3, 128, 64, 8, 3), BwdConfig(64, 32, 4, 2, 64, 64, 4, 2)]
-    # d=256: not timed; sized to fit shared memory (ptxas: spills)
-    return tuned + [BwdConfig(64, 64, 8, 2, 64, 64, 8, 2), BwdConfig(64, 32, 8, 1, 64, 32, 8, 1),
-                    BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)]
-
-
-def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`rowsum(dout * out)` in float32.
-
-    Args:
-        dout, out: `[b, s, h, d]` (any float dtypes, last dim contiguous preferred).
-
-    Returns:
-        delta `[b, h, s]` float32, contiguous.
-    """
-    if dout.shape != out.shape or dout.dim() != 4:
-        raise ValueError(f"attention_delta: dout {tuple(dout.shape)} and out {tuple(out.shape)} must be equal [b, s, h, d]")
-    if dout.dtype == torch.float64 or out.dtype == torch.float64:
-        raise ValueError("attention_delta: float64 is not supported by the Triton kernels; use backend='torch'")
-    dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
+def _delta_impl(dout: torch.Tensor, out: torch.Tensor, delta: torch.Tensor) -> None:
+    """Launch the delta kernel into the contiguous `[b, h, s]` float32 `delta` (not empty)."""
     b, s, h, d = out.shape
-    delta = torch.empty((b, h, s), dtype=torch.float32, device=out.device)
-    if delta.numel() == 0:
-        return delta
     block_m = 32 if interpreting() else 64
     grid = (cdiv(s, block_m), b * h)
     _delta_kernel[grid](
@@ -338,17 +274,6 @@ def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         out.stride(0), out.stride(1), out.stride(2),
         h, s, HEAD_D=d, BLOCK_D=block_d(d), BLOCK_M=block_m, num_warps=4,
     )
-    return delta
-
-
-def _check_acc(acc: torch.Tensor, like: torch.Tensor, name: str) -> None:
-    if acc.shape != like.shape or acc.dtype != torch.float32 or acc.device != like.device:
-        raise ValueError(
-            f"attention_backward: {name} must be float32 {tuple(like.shape)} on {like.device}, got "
-            f"{acc.dtype} {tuple(acc.shape)} on {acc.device}"
-        )
-    if acc.stride(-1) != 1:
-        raise ValueError(f"attention_backward: {name} must be contiguous in its last dim (it is updated in place)")
 
 
 def _backward_impl(
@@ -356,7 +281,8 @@ def _backward_impl(
     qk_scale: float, dq_scale: float, dk_scale: float, causal: bool, offset: int,
     config: BwdConfig | None = None,
 ) -> None:
-    """Launch the dk/dv and dq kernels. `delta` must have `lse`'s strides."""
+    """Launch the dk/dv and dq kernels. `delta` must have `lse`'s strides, `offset` be a 32-bit
+    `mask_offset`, `qk_scale >= 0` and `sq, sk > 0`."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bd = block_d(d)
@@ -400,8 +326,33 @@ def _backward_impl(
         return
     key = (d, q.dtype, causal, q.device.index)
     configs = bwd_configs(d, q.dtype, causal)
-    launch_with_fallback(_DKDV_CHOSEN, key, configs, launch_dkdv)
-    launch_with_fallback(_DQ_CHOSEN, key, configs, launch_dq)
+    launch_with_fallback(DKDV_CHOSEN, key, configs, launch_dkdv)
+    launch_with_fallback(DQ_CHOSEN, key, configs, launch_dq)
+
+
+# ---------------------------------------------------------------------------------------------------
+# public functions
+
+
+def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`rowsum(dout * out)` in float32.
+
+    Args:
+        dout, out: `[b, s, h, d]` (any float dtypes but float64, last dim contiguous preferred).
+
+    Returns:
+        delta `[b, h, s]` float32, contiguous.
+    """
+    if dout.shape != out.shape or dout.dim() != 4:
+        raise ValueError(f"attention_delta: dout {tuple(dout.shape)} and out {tuple(out.shape)} must be equal [b, s, h, d]")
+    if dout.dtype == torch.float64 or out.dtype == torch.float64:
+        raise ValueError("attention_delta: float64 is not supported by the Triton kernels; use backend='torch'")
+    dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
+    b, s, h, _ = out.shape
+    delta = torch.empty((b, h, s), dtype=torch.float32, device=out.device)
+    if delta.numel():
+        _delta_impl(dout, out, delta)
+    return delta
 
 
 def attention_backward(
@@ -422,7 +373,14 @@ def attention_backward(
     dv_acc: torch.Tensor,
     lse_grad: torch.Tensor | None = None,
 ) -> None:
-    """Add one block's attention gradients into float32 accumulators (the block-op contract).
+    """Add one block's attention gradients into float32 accumulators (the backward of the block-op
+    contract, `ringlse.blocks.contract`).
+
+    The caller classifies the block as for `attention_forward`: only blocks in which some query sees
+    some key, `causal=True` only where the causal boundary crosses the block. `causal=True` on a block
+    every query sees entirely gives the same gradients, bit for bit, as `causal=False`; a causal block
+    in which no query sees any key must not be passed (it launches the kernels and adds exact zeros);
+    zero-length q or k launch nothing.
 
     Args:
         dout: `[b, sq, h, d]` gradient of the global output (any strides, last dim contiguous preferred).
@@ -431,26 +389,26 @@ def attention_backward(
         lse: `[b, h, sq]` float32, the *global* lse (natural log); rows with `-inf` contribute 0.
         delta: `[b, h, sq]` float32, `rowsum(dout * out)` (minus any lse gradient).
         softmax_scale, causal, q_start, k_start: as in `attention_forward`.
-        dq_acc: float32 `[b, sq, h, d]`; dk_acc, dv_acc: float32 `[b, sk, hkv, d]` (views allowed);
-            this block's gradients are added in place.
+        dq_acc: float32 `[b, sq, h, d]`; dk_acc, dv_acc: float32 `[b, sk, hkv, d]` (views allowed, last
+            dim contiguous); this block's gradients are added in place.
         lse_grad: unused: the block-op contract has it folded into `delta` already.
 
     Raises:
         ValueError: float64 or other unsupported dtypes, mismatched shapes, bad accumulators.
     """
-    check_dtype(q, "attention_backward")
-    check_qkv_shapes(q, k, v, "attention_backward")
+    what = "attention_backward"
+    check_dtype(q, what)
+    check_qkv_shapes(q, k, v, what)
     b, sq, h, d = q.shape
     sk = k.shape[1]
     if dout.shape != q.shape:
-        raise ValueError(f"attention_backward: dout {tuple(dout.shape)} must match q {tuple(q.shape)}")
+        raise ValueError(f"{what}: dout {tuple(dout.shape)} must match q {tuple(q.shape)}")
     if tuple(lse.shape) != (b, h, sq) or tuple(delta.shape) != (b, h, sq):
-        raise ValueError(f"attention_backward: lse and delta must be {(b, h, sq)}, got {tuple(lse.shape)}, {tuple(delta.shape)}")
-    _check_acc(dq_acc, q, "dq_acc")
-    _check_acc(dk_acc, k, "dk_acc")
-    _check_acc(dv_acc, v, "dv_acc")
-    kind = block_kind(sq, sk, q_start, k_start, causal)
-    if kind is BlockKind.EMPTY:
+        raise ValueError(f"{what}: lse and delta must be {(b, h, sq)}, got {tuple(lse.shape)}, {tuple(delta.shape)}")
+    check_accumulator(dq_acc, q.shape, q.device, what, "dq_acc")
+    check_accumulator(dk_acc, k.shape, k.device, what, "dk_acc")
+    check_accumulator(dv_acc, v.shape, v.device, what, "dv_acc")
+    if b * h * sq == 0 or sk == 0:
         return
     q, k, v, dout = (last_dim_contiguous(t) for t in (q, k, v, dout))
     if dout.dtype != q.dtype:
@@ -469,5 +427,5 @@ def attention_backward(
     _backward_impl(
         dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc,
         qk_scale=abs(scale) * LOG2E, dq_scale=dq_scale, dk_scale=dk_scale,
-        causal=kind is BlockKind.PARTIAL, offset=q_start - k_start,
+        causal=causal, offset=mask_offset(causal, sq, sk, q_start, k_start),
     )

@@ -1,4 +1,7 @@
-"""Integer helpers for the launchers (host code).
+"""Host-side helpers for the launchers: integer arithmetic and the interpreter switch.
+
+Importable without Triton (as is `ringlse.kernels` itself), so that `ringlse` and the tests can ask
+`interpreting()` before deciding whether to import a kernel.
 
 `triton.cdiv` and `triton.next_power_of_2` are constexpr functions in Triton 3.x: called from Python
 they go through the JIT's constexpr wrapping and cost ~5 us of host time each (measured with Triton
@@ -7,6 +10,20 @@ is the whole cost of a call, so the launchers use these plain versions (~0.05 us
 """
 
 from __future__ import annotations
+
+import os
+
+# the spellings of "true" Triton's own switch takes (`triton.knobs.runtime.interpret`, case-insensitive)
+_TRUE = frozenset(("1", "true", "on", "yes", "y"))
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under its CPU interpreter (`TRITON_INTERPRET` set to a true value).
+
+    The one reader of the variable for the kernels: it reads the environment on every call (tests set
+    it before Triton is imported) and takes the same spellings of true as Triton's switch does.
+    """
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE
 
 
 def cdiv(a: int, b: int) -> int:

@@ -1,4 +1,4 @@
-"""Fused merge of attention states `(out, lse)` (DESIGN §3) in one pass over memory.
+"""Fused merge of attention states `(out, lse)` (CONVENTIONS.md §3) in one pass over memory.
 
 Merging is memory-bound: per row it does a handful of exps over `headdim` values it only reads once.
 The eager PyTorch merge makes several passes (stack, amax, exp, sum, log, scale, add) and reaches about
@@ -10,10 +10,9 @@ Layout: a state is `out` `[B, S, H, D]` (any float dtype, last dim contiguous, o
 walk rows `r = s * H + h` of one batch entry, so that for the usual `[B, S, H, D]` layout a tile of
 rows is one contiguous stretch of memory.
 
-Math per row (DESIGN §3): `m = max_i lse_i` (0 where every state is `-inf`), `w_i = exp(lse_i - m)`,
-`t = sum_i w_i`, `lse = m + log(t)` (`-inf` where `t == 0`), `out = sum_i (w_i / t) * out_i`; a state
-of weight exactly 0 contributes exactly 0 (even if its `out` holds garbage), so all-`-inf` rows come out
-`(0, -inf)`. Subtracting `m` keeps lse values of +-1e4 finite.
+Math per row: `ringlse.kernels.merge_math` (CONVENTIONS.md §3), max first: every state's lse is loaded
+before any math, so the max comes first, then one exp per state and the weights divided by their sum
+before they touch the outputs. Subtracting the max keeps lse values of +-1e4 finite.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ringlse.kernels.host import cdiv, next_power_of_2
+from ringlse.kernels.merge_math import merge_lse, merge_shift, merge_term, merge_weight
 
 # states merged by one launch; merge_states chains launches for more
 MAX_STATES_PER_LAUNCH = 4
@@ -39,13 +39,6 @@ def _load_lse(L, b, hh, s, sb, sh, ss, row_ok):
 def _load_out(O, b, hh, s, sb, ss, sh, cols, mask):
     row_off = b * sb + s * ss + hh * sh
     return tl.load(O + row_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _weighted(w, t_safe, o):
-    # a weight of exactly 0 must contribute exactly 0 (never 0 * nan), hence the where
-    wn = (w / t_safe)[:, None]
-    return tl.where(wn > 0, wn * o, 0.0)
 
 
 @triton.jit
@@ -96,31 +89,27 @@ def _merge_states_kernel(
         m = tl.maximum(m, l2)
     if N > 3:
         m = tl.maximum(m, l3)
-    # rows where every state is -inf: shift by 0 so that every exp below is exp(-inf) = 0, not nan
-    m = tl.where(m == float("-inf"), 0.0, m)
-
-    w0 = tl.exp(l0 - m)
+    shift = merge_shift(m)
+    w0 = merge_weight(l0, shift, False)
     t = w0
     if N > 1:
-        w1 = tl.exp(l1 - m)
+        w1 = merge_weight(l1, shift, False)
         t = t + w1
     if N > 2:
-        w2 = tl.exp(l2 - m)
+        w2 = merge_weight(l2, shift, False)
         t = t + w2
     if N > 3:
-        w3 = tl.exp(l3 - m)
+        w3 = merge_weight(l3, shift, False)
         t = t + w3
-    nonempty = t > 0
-    t_safe = tl.where(nonempty, t, 1.0)
-    lse = tl.where(nonempty, m + tl.log(t_safe), float("-inf"))
+    lse, t_safe = merge_lse(shift, t, False)
 
-    acc = _weighted(w0, t_safe, o0)
+    acc = merge_term(w0 / t_safe, o0)
     if N > 1:
-        acc = acc + _weighted(w1, t_safe, o1)
+        acc = acc + merge_term(w1 / t_safe, o1)
     if N > 2:
-        acc = acc + _weighted(w2, t_safe, o2)
+        acc = acc + merge_term(w2 / t_safe, o2)
     if N > 3:
-        acc = acc + _weighted(w3, t_safe, o3)
+        acc = acc + merge_term(w3 / t_safe, o3)
 
     if IN_PLACE:
         # an output aliases an input: lse values are replicated across threads, so without this

@@ -13,10 +13,9 @@ contiguous `out` `[B, S, H, D]` and `lse` `[B, H, S]` float32. Programs walk row
 batch entry (contiguous memory in this layout); a row's position `s` decides which parts cover it,
 and a masked-off load moves no memory. Rows no part covers come out `(0, -inf)`.
 
-Math per row (DESIGN §3), online over the parts so that one helper folds each part in: a running max
-`m`, the sum `t` of `exp(lse_i - m)` and `acc = sum exp(lse_i - m) * out_i`, both rescaled when `m`
-grows; `lse = m + log t`, `out = acc / t`. A part of weight exactly 0 contributes exactly 0 (even if
-its rows hold garbage), and the shift is 0 while every lse seen is `-inf`, so no exp sees `-inf - -inf`.
+Math per row: `ringlse.kernels.merge_math` (CONVENTIONS.md §3), online over the parts (`merge_fold`
+as each part is loaded, so that only one part's tile is live at a time), then `merge_finish`. A part
+of weight exactly 0 contributes exactly 0 (even if its rows hold garbage).
 """
 
 from __future__ import annotations
@@ -28,9 +27,8 @@ import triton
 import triton.language as tl
 
 from ringlse.kernels.host import cdiv, next_power_of_2
-
-# parts merged by one launch; the caller folds longer lists (see `ringlse.state_parts`)
-MAX_PARTS = 8
+from ringlse.kernels.merge_math import merge_finish, merge_fold
+from ringlse.kernels.parts import MAX_PARTS, part_slots
 
 
 @triton.jit
@@ -41,13 +39,7 @@ def _fold_part(m, t, acc, O, L, start, length, b, s, hh, cols, row_ok, col_ok, H
     lse = tl.load(L + (b * H + hh) * length + local, mask=covered, other=float("-inf"))
     row_off = ((b * length + local) * H + hh) * D
     o = tl.load(O + row_off[:, None] + cols[None, :], mask=covered[:, None] & col_ok[None, :], other=0.0)
-    m_new = tl.maximum(m, lse)
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - shift)
-    w = tl.exp(lse - shift)
-    # a weight of exactly 0 must contribute exactly 0 (never 0 * nan), hence the where
-    acc = acc * alpha[:, None] + tl.where(w[:, None] > 0, w[:, None] * o.to(tl.float32), 0.0)
-    return m_new, t * alpha + w, acc
+    return merge_fold(m, t, acc, lse, o.to(tl.float32), False)
 
 
 # no specialisation on the values of starts, lengths and row counts (1 would become a constant):
@@ -92,10 +84,7 @@ def _merge_parts_kernel(
         m, t, acc = _fold_part(m, t, acc, O6, L6, s6, n6, b, s, hh, cols, row_ok, col_ok, H, D)
     if N > 7:
         m, t, acc = _fold_part(m, t, acc, O7, L7, s7, n7, b, s, hh, cols, row_ok, col_ok, H, D)
-    nonempty = t > 0
-    t_safe = tl.where(nonempty, t, 1.0)
-    lse = tl.where(nonempty, m + tl.log(t_safe), float("-inf"))
-    out = acc / t_safe[:, None]
+    lse, out = merge_finish(m, t, acc, False)
     out_off = ((b * n_rows + s) * H + hh) * D
     tl.store(OUT + out_off[:, None] + cols[None, :], out.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
@@ -117,17 +106,10 @@ def merge_parts_into(
     Returns:
         `(out, lse)`.
     """
-    if not 1 <= len(parts) <= MAX_PARTS:
-        raise ValueError(f"merge_parts_into: 1 to {MAX_PARTS} parts per launch, got {len(parts)}")
+    starts, outs, lses, lens = part_slots("merge_parts_into", parts, (0, out, lse))
     bsz, n_rows, h, d = out.shape
     if out.numel() == 0:
         return out, lse
-    pad = MAX_PARTS - len(parts)
-    # unused slots: never read (N is a compile-time constant), any valid pointer will do
-    outs = [p[1] for p in parts] + [out] * pad
-    lses = [p[2] for p in parts] + [lse] * pad
-    starts = [p[0] for p in parts] + [0] * pad
-    lens = [p[1].shape[1] for p in parts] + [0] * pad
     block_d = next_power_of_2(d)
     # ~4K elements per program (as the pairwise merge): enough bytes in flight, no spilling
     block_r = max(1, 4096 // block_d)

@@ -21,9 +21,8 @@ import triton
 import triton.language as tl
 
 from ringlse.kernels.host import cdiv
+from ringlse.kernels.parts import MAX_PARTS, part_slots
 
-# parts summed by one launch; the caller folds longer lists (see `ringlse.part_sum`)
-MAX_PARTS = 8
 _BLOCK = 2048
 
 
@@ -82,25 +81,12 @@ def sum_parts_into(out: torch.Tensor, parts: Sequence[tuple[int, torch.Tensor, f
     Returns:
         `out`.
     """
-    if not 1 <= len(parts) <= MAX_PARTS:
-        raise ValueError(f"sum_parts_into: 1 to {MAX_PARTS} parts per launch, got {len(parts)}")
+    starts, ptrs, scales, lens = part_slots("sum_parts_into", parts, (0, out, 0.0))
     bsz, n_rows = out.shape[0], out.shape[1]
     e = out[0, 0].numel() if n_rows else 0
     if out.numel() == 0:
         return out
-    ptrs, starts, lens, scales = [], [], [], []
-    for start, part, scale in parts:
-        ptrs.append(part)
-        starts.append(start)
-        lens.append(part.shape[1])
-        scales.append(float(scale))
-    pad = MAX_PARTS - len(parts)
-    # unused slots: never read (N is a compile-time constant), any valid pointer will do
-    ptrs += [out] * pad
-    starts += [0] * pad
-    lens += [0] * pad
-    scales += [0.0] * pad
     grid = (cdiv(n_rows * e, _BLOCK), bsz)
-    _sum_parts_kernel[grid](out, *ptrs, *starts, *lens, *scales, n_rows, N=len(parts), E=e, BLOCK=_BLOCK,
-                            num_warps=8)
+    _sum_parts_kernel[grid](out, *ptrs, *starts, *lens, *map(float, scales), n_rows, N=len(parts), E=e,
+                            BLOCK=_BLOCK, num_warps=8)
     return out

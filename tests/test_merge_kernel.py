@@ -3,7 +3,7 @@
 Without CUDA the kernel runs under Triton's interpreter on CPU tensors (conftest sets
 TRITON_INTERPRET=1); the merge has no `tl.dot`, so bfloat16 is exact there too.
 
-Tolerance (derived, tighter than the DESIGN §7 float32 rule of 1e-3 * max|ref|): the reference is the
+Tolerance (derived, tighter than the CONVENTIONS.md §7 float32 rule of 1e-3 * max|ref|): the reference is the
 PyTorch merge in float64 of the very same inputs, so the only error is the kernel's float32 arithmetic.
 Per row the kernel computes `exp(lse_i - m)` (argument rounding plus the hardware exp: a few ulp, and
 `|x| e^x <= 1/e` bounds the argument part), one division, and a sum of at most four products (chained

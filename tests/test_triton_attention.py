@@ -1,4 +1,4 @@
-"""Triton block-attention kernels against the float64 reference, judged by DESIGN §7.
+"""Triton block-attention kernels against the float64 reference, judged by CONVENTIONS.md §7.
 
 CPU tests run the kernels under Triton's interpreter (conftest sets TRITON_INTERPRET=1 without CUDA),
 in float16/float32 only (the interpreter gets bfloat16 dots wrong). GPU tests add bfloat16, every
@@ -18,7 +18,10 @@ from ringlse.testing import assert_judged, naive_attention  # noqa: E402
 
 fwd_mod = pytest.importorskip("ringlse.kernels.attention_fwd")
 bwd_mod = pytest.importorskip("ringlse.kernels.attention_bwd")
-from ringlse.kernels.attention import TRITON_BLOCK_OP, attention_backward, attention_delta, attention_forward  # noqa: E402
+from ringlse.kernels.attention_bwd import attention_backward, attention_delta  # noqa: E402
+from ringlse.kernels.attention_common import mask_offset  # noqa: E402
+from ringlse.kernels.attention_fwd import attention_forward  # noqa: E402
+from ringlse.masks import BlockKind, block_kind  # noqa: E402
 
 # the interpreter (CPU) emits a NumPy deprecation warning per scalar conversion
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -40,14 +43,17 @@ def _check_forward(q, k, v, causal, q_start, k_start, scale=None):
     # poison the outputs so that any element the kernel fails to write shows up as NaN
     out = torch.full_like(q, float("nan"))
     lse = torch.full((b, h, sq), float("nan"), dtype=torch.float32, device=q.device)
-    kind = ringlse.positions.block_kind(sq, k.shape[1], q_start, k_start, causal)
-    if kind is ringlse.positions.BlockKind.EMPTY:
+    # classify the block as the kernels' callers do (the kernels run EMPTY blocks too, see
+    # test_contract_*; here they take the raw launcher's poisoned buffers only when not EMPTY)
+    kind = block_kind(sq, k.shape[1], q_start, k_start, causal)
+    if kind is BlockKind.EMPTY:
         out, lse = attention_forward(q, k, v, softmax_scale=scale, causal=causal, q_start=q_start, k_start=k_start)
     else:
         # the raw launcher takes scale >= 0; attention_forward runs a negative scale on -q
         qq, s = (-q, -scale) if scale < 0 else (q, scale)
-        fwd_mod._forward_impl(qq, k, v, out, lse, softmax_scale=s, causal=kind is ringlse.positions.BlockKind.PARTIAL,
-                              offset=q_start - k_start, accum=False)
+        partial = kind is BlockKind.PARTIAL
+        fwd_mod._forward_impl(qq, k, v, out, lse, softmax_scale=s, causal=partial,
+                              offset=mask_offset(partial, sq, k.shape[1], q_start, k_start), accum=False)
     ref_o, ref_l = reference_attention(q.double(), k.double(), v.double(), causal=causal, softmax_scale=scale,
                                        q_start=q_start, k_start=k_start)
     base_o, base_l = naive_attention(q, k, v, causal=causal, softmax_scale=scale, q_start=q_start, k_start=k_start)
@@ -123,8 +129,9 @@ def test_float64_raises(device):
 
 
 def test_block_op_registered():
-    assert TRITON_BLOCK_OP.name == "triton"
-    assert ringlse.get_block_op("triton", "cuda" if torch.cuda.is_available() else "cpu") is TRITON_BLOCK_OP
+    op = ringlse.get_block_op("triton", "cuda" if torch.cuda.is_available() else "cpu")
+    assert op.name == "triton"
+    assert op.forward is attention_forward and op.backward is attention_backward and op.delta is attention_delta
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
@@ -270,6 +277,7 @@ def test_backward_accumulates_into_views(dtype, causal, offsets, device):
 
 
 def test_backward_empty_block_is_noop(device):
+    # a causal block no query sees: callers must not pass it, but it adds exact zeros
     q, k, v = _draw(1, 16, 16, 2, 2, 32, torch.float16, device)
     acc = torch.randn(q.shape, device=device)
     before = acc.clone()
@@ -280,7 +288,7 @@ def test_backward_empty_block_is_noop(device):
 
 
 def test_attention_api_bottom_right(device):
-    # sq != sk aligns bottom-right (DESIGN §4); through the autograd wrapper
+    # sq != sk aligns bottom-right (CONVENTIONS.md §4); through the autograd wrapper
     q, k, v = _draw(1, 30, 70, 2, 2, 64, torch.float16, device, seed=13)
     out, lse = ringlse.attention(q, k, v, causal=True, return_lse=True, backend="triton")
     ref_o, ref_l = reference_attention(q.double(), k.double(), v.double(), causal=True)

@@ -1,0 +1,214 @@
+"""What the forward and backward attention kernels share: the key range of a query tile, the mask
+offset, dot precision, the launch configs (tuning tables and the fallback when one does not fit) and
+the argument checks.
+
+Masking (CONVENTIONS.md §4): key `j` is visible to query `i` iff `k_start + j <= q_start + i`, i.e.
+`j <= i + offset` with `offset = q_start - k_start`. The kernels take `offset` and a `CAUSAL` flag
+only; which blocks to run, and which of them need the mask, the caller decides (see
+`attention_forward`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ringlse.kernels.host import interpreting, next_power_of_2
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def query_tile_key_range(m0, SK, OFFSET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Key tiles of the query tile at row `m0`: `[0, n_full)` are visible to every row of the tile
+    (no mask needed), `[n_full, n_hi)` are cut by the causal boundary or the key tail (masked), keys
+    from `n_hi` on are visible to no row (never visited). An empty range where no row sees a key."""
+    n_even = (SK // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        # the first row of this tile sees keys j <= m0 + OFFSET, the last j <= m0 + BLOCK_M - 1 + OFFSET
+        n_hi = tl.maximum(tl.minimum(SK, m0 + BLOCK_M + OFFSET), 0)
+        first_sees = m0 + OFFSET + 1
+        n_full = tl.where(first_sees > 0, (first_sees // BLOCK_N) * BLOCK_N, 0)
+        n_full = tl.minimum(n_full, n_even)
+    else:
+        n_hi = SK
+        n_full = n_even
+    return n_full, n_hi
+
+
+def mask_offset(causal: bool, seqlen_q: int, seqlen_k: int, q_start: int, k_start: int) -> int:
+    """The kernels' `OFFSET`: `q_start - k_start` clamped to `[-seqlen_q, seqlen_k]` (the same keys are
+    visible to every row, and it stays a 32-bit integer whatever the global positions); 0 without
+    `causal` (the kernels ignore it then, and one compiled kernel serves every position)."""
+    if not causal:
+        return 0
+    return min(max(q_start - k_start, -seqlen_q), seqlen_k)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs: 3-pass TF32 ("tf32x3", about float32 accuracy on the tensor cores; plain TF32
+    missed CONVENTIONS.md §7's 1e-3 * max|ref| by 1.5-3x on H200). 16-bit inputs ignore it."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def block_d(head_dim: int) -> int:
+    """The padded head dim a kernel tile uses: a power of two >= 16 (dots need K >= 16)."""
+    return max(16, next_power_of_2(head_dim))
+
+
+# ---------------------------------------------------------------------------------------------------
+# launch configs: candidates best first, timed on H200 (benchmarks/NOTES.md)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# configs chosen by timing on the GPU at hand (benchmarks/block_attention.py --sweep sets them):
+# (block_d, dtype, causal) -> FwdConfig, tried before the built-in table
+FWD_TUNED: dict[tuple[int, torch.dtype, bool], FwdConfig] = {}
+# the config that compiled and ran for a (head_dim, dtype, causal, accum, device) key
+FWD_CHOSEN: dict[tuple, FwdConfig] = {}
+
+
+def set_tuned_fwd_config(head_dim: int, dtype: torch.dtype, causal: bool, config: FwdConfig) -> None:
+    """Prefer `config` for this head dim/dtype/mask from now on (e.g. the winner of a sweep)."""
+    FWD_TUNED[(block_d(head_dim), dtype, causal)] = config
+    FWD_CHOSEN.clear()
+
+
+def fwd_configs(head_dim: int, dtype: torch.dtype, causal: bool) -> list[FwdConfig]:
+    """Candidate configs, best first (timed on H200, see benchmarks/NOTES.md); later ones are
+    fallbacks when a config does not fit the GPU's registers or shared memory."""
+    if interpreting():
+        # small tiles keep the interpreter fast and make small test shapes cross several tiles
+        return [FwdConfig(32, 16, 4, 1)]
+    bd = block_d(head_dim)
+    tuned = [FWD_TUNED[(bd, dtype, causal)]] if (bd, dtype, causal) in FWD_TUNED else []
+    if dtype == torch.float32:
+        return tuned + [FwdConfig(64, 32, 4, 2), FwdConfig(32, 32, 4, 1)]
+    # sweep on H200 (benchmarks/NOTES.md, step 1): 128x64 tiles, 8 warps won at d=64 and d=128, causal
+    # or not (4-warp 128-row tiles spill registers at d=128)
+    if bd <= 64:
+        return tuned + [FwdConfig(128, 64, 8, 4), FwdConfig(128, 64, 4, 3), FwdConfig(64, 64, 4, 2)]
+    if bd <= 128:
+        return tuned + [FwdConfig(128, 64, 8, 3), FwdConfig(64, 64, 4, 3), FwdConfig(64, 32, 4, 2)]
+    # d=256: not timed; 128x64 fits in shared memory (192 KB, ptxas: small spills)
+    return tuned + [FwdConfig(128, 64, 8, 2), FwdConfig(64, 64, 4, 2), FwdConfig(64, 32, 4, 1)]
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tiles of the dk/dv kernel (`kv_block_n` keys x `kv_block_m` queries per step) and of the dq
+    kernel (`q_block_m` queries x `q_block_n` keys per step)."""
+
+    kv_block_n: int
+    kv_block_m: int
+    kv_warps: int
+    kv_stages: int
+    q_block_m: int
+    q_block_n: int
+    q_warps: int
+    q_stages: int
+
+
+# (block_d, dtype, causal) -> BwdConfig chosen by timing (benchmarks/block_attention.py --sweep)
+BWD_TUNED: dict[tuple[int, torch.dtype, bool], BwdConfig] = {}
+DKDV_CHOSEN: dict[tuple, BwdConfig] = {}
+DQ_CHOSEN: dict[tuple, BwdConfig] = {}
+
+
+def set_tuned_bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, config: BwdConfig) -> None:
+    """Prefer `config` for this head dim/dtype/mask from now on (e.g. the winner of a sweep)."""
+    BWD_TUNED[(block_d(head_dim), dtype, causal)] = config
+    DKDV_CHOSEN.clear()
+    DQ_CHOSEN.clear()
+
+
+def bwd_configs(head_dim: int, dtype: torch.dtype, causal: bool) -> list[BwdConfig]:
+    """Candidate configs, best first (timed on H200, see benchmarks/NOTES.md); later ones are
+    fallbacks for GPUs with fewer registers/shared memory."""
+    if interpreting():
+        return [BwdConfig(32, 16, 4, 1, 32, 16, 4, 1)]
+    bd = block_d(head_dim)
+    tuned = [BWD_TUNED[(bd, dtype, causal)]] if (bd, dtype, causal) in BWD_TUNED else []
+    if dtype == torch.float32:
+        return tuned + [BwdConfig(64, 32, 4, 2, 64, 32, 4, 2), BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)]
+    # sweep on H200 (benchmarks/NOTES.md, step 1), each kernel timed alone
+    if bd <= 64:
+        kv = (64, 64, 4, 3) if causal else (64, 32, 4, 3)
+        return tuned + [BwdConfig(*kv, 128, 32, 8, 3), BwdConfig(64, 32, 4, 2, 64, 32, 4, 2)]
+    if bd <= 128:
+        return tuned + [BwdConfig(128, 64, 8, 3, 128, 64, 8, 3), BwdConfig(64, 32, 4, 2, 64, 64, 4, 2)]
+    # d=256: not timed; sized to fit shared memory (ptxas: spills)
+    return tuned + [BwdConfig(64, 64, 8, 2, 64, 64, 8, 2), BwdConfig(64, 32, 8, 1, 64, 32, 8, 1),
+                    BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)]
+
+
+def launch_with_fallback(chosen: dict, key: tuple, configs: list, launch) -> None:
+    """Run `launch(config)` with the cached config for `key`, else the first candidate that fits the
+    GPU (Triton raises OutOfResources at launch when registers/shared memory do not suffice)."""
+    if key in chosen:
+        launch(chosen[key])
+        return
+    last_err: Exception | None = None
+    for cfg in configs:
+        try:
+            launch(cfg)
+        except triton.runtime.errors.OutOfResources as err:  # pragma: no cover - GPU specific
+            last_err = err
+            continue
+        chosen[key] = cfg
+        return
+    raise RuntimeError(f"no kernel config fits this GPU for {key}") from last_err
+
+
+# ---------------------------------------------------------------------------------------------------
+# argument checks
+
+
+def check_dtype(t: torch.Tensor, what: str) -> None:
+    if t.dtype == torch.float64:
+        raise ValueError(
+            f"{what}: the Triton kernels take bfloat16, float16 or float32, not float64; "
+            "use backend='torch' for float64"
+        )
+    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{what}: unsupported dtype {t.dtype} (use bfloat16, float16 or float32)")
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """Inputs may have any strides except along the head dim, which the kernels read as a vector."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{what}: q, k, v must be [batch, seqlen, nheads, headdim]")
+    b, _, h, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or h % k.shape[2]:
+        raise ValueError(
+            f"{what}: incompatible shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{what}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if d > 256:
+        raise ValueError(f"{what}: head dim {d} > 256 is not supported")
+
+
+def check_accumulator(acc: torch.Tensor, shape: tuple, device: torch.device, what: str, name: str) -> None:
+    """A float32 tensor of `shape` on `device`, contiguous in its last dim (kernels update it in place)."""
+    if tuple(acc.shape) != tuple(shape) or acc.dtype != torch.float32 or acc.device != device:
+        raise ValueError(
+            f"{what}: {name} must be float32 {tuple(shape)} on {device}, got {acc.dtype} {tuple(acc.shape)} "
+            f"on {acc.device}"
+        )
+    if acc.stride(-1) != 1:
+        raise ValueError(f"{what}: {name} must be contiguous in its last dim (it is updated in place)")
