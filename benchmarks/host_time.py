@@ -29,6 +29,7 @@ import torch
 import triton
 
 from ringlse.kernels import softmax as ks
+from ringlse.kernels.launch import recorded_launches
 
 # (rows, cols, dtype): the launch-bound float32 cases of lse_toolkit.py, then inputs that fill the GPU
 CASES = [(8, 131072, torch.float32), (4, 1 << 20, torch.float32), (4096, 1000, torch.float32),
@@ -72,18 +73,9 @@ def host_us(fns: dict) -> dict:
 
 def launches(fn) -> int:
     """Kernel launches one call of our launchers makes (their plans' `BoundLaunch` calls counted)."""
-    count, real = [0], ks.BoundLaunch.__call__
-
-    def counted(bound, *free):
-        count[0] += 1
-        return real(bound, *free)
-
-    ks.BoundLaunch.__call__ = counted
-    try:
+    with recorded_launches() as seen:
         fn()
-    finally:
-        ks.BoundLaunch.__call__ = real
-    return count[0]
+    return len(seen)
 
 
 def flush_us() -> float:

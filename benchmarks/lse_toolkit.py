@@ -17,12 +17,15 @@ included where it exceeds the flush. The softmax family also gets GPU time (`*_g
 captured in one CUDA graph, replayed and timed with CUDA events, cycling over input copies when one
 input fits in L2, for both sides; small inputs are launch-bound in eager mode and this column says
 what the kernels take. The run tunes first: short
-sweeps of the dispatch knobs (row-block limit, long-row chunk and warps, split threshold, log_bmm
-tiles) pick the winners, which are set before the main measurements and recorded in the JSON
-(`tuned_*`, `variants`, `log_bmm_variants`); the committed defaults are those winners.
+sweeps of the dispatch constants (row-block limit, long-row chunk and warps, split threshold, the
+cooperative kernels' pieces, log_bmm tiles) pick the winners, under which the main measurements run
+(`config_override` of `ringlse.kernels.softmax` and `ringlse.kernels.log_bmm`); the JSON records them
+(`tuned_*`, `variants`, `log_bmm_variants`, and the whole configs measured: `tuning_*`); the committed
+constants (`CONFIG`) are those winners.
 
-Usage: python benchmarks/lse_toolkit.py [--out DIR] [--quick]
-    writes DIR/lse_toolkit-<gpu>.json and DIR/lse_toolkit-<gpu>-{softmax,log_bmm}.png
+Usage: python benchmarks/lse_toolkit.py [--out DIR] [--quick] [--skip tune,family,log_bmm] [--no-coop]
+    writes DIR/lse_toolkit-<gpu>.json and DIR/lse_toolkit-<gpu>-{softmax,log_bmm}.png; --quick: the
+    committed constants (no sweeps), float32 cases and three log_bmm sizes only
 
 One device call (nvidia-h200, about 4 minutes: ~60 kernel compiles for the GPU tests, ~2 minutes of
 benchmark); note `python3 -m pip`: the device's bare `pip` belongs to another interpreter, and an install
@@ -36,6 +39,8 @@ that silently fails leaves `ringlse.kernels` missing:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -59,6 +64,7 @@ PEER_FIGURES = {
 }
 BARS = {
     "softmax_fwd_vs_copy": 0.85,
+    "softmax_bf16_fwd_vs_copy": 0.82,  # (outputs rounded once from float32: NOTES.md, "softmax constants")
     "softmax_fwd_vs_torch": 1.3,
     "softmax_bwd_vs_torch": 1.2,
     "logsumexp_vs_torch": 4.0,
@@ -66,6 +72,10 @@ BARS = {
     "log_bmm_bwd_vs_naive": 20.0,
     "log_bmm_peak_vs_io": 2.0,
 }
+
+# the cooperative kernels for no row count (the two-pass kernels take their rows)
+NO_COOP = {"coop_min_rows": 1 << 62, "coop_min_elems_fwd": 1 << 62}
+COOP_ON = {"coop_min_rows": ks.CONFIG.coop_min_rows, "coop_min_elems_fwd": ks.CONFIG.coop_min_elems_fwd}
 
 TOTAL = 1 << 26  # elements per softmax case
 COLS = [1024, 4096, 16384, 32768, 65536, 131072, 1 << 20]
@@ -198,59 +208,58 @@ def family_case(rows: int, cols: int, dtype: torch.dtype, copy: float) -> list[d
     return records
 
 
-def _time_knobs(knobs: dict, cases: list[tuple[int, int]], what: str, dtype: torch.dtype = torch.float32) -> dict:
+def _time_knobs(knobs: dict, cases: list[tuple[int, int]], what: str, dtype: torch.dtype = torch.float32,
+                base: dict | None = None) -> dict:
     """GPU ms (`graph_ms`) of `what` (fwd: softmax forward; bwd: softmax backward; both: their sum;
-    lse: logsumexp forward; fwd+lse: softmax and logsumexp forward) per `dtype` case under `knobs`, restoring the tuning afterwards. GPU time,
-    not eager time: a small case's eager time can be its host time, and one slow host call once
-    picked the wrong chunk size for every few-row launch (4x1M: 19 -> 49 us in one sweep)."""
-    saved = dict(ks.TUNING)
-    ks.TUNING.update(knobs)
+    lse: logsumexp forward; fwd+lse: softmax and logsumexp forward) per `dtype` case with the config's
+    fields `base` and then `knobs` replaced (`config_override`). GPU time, not eager time: a small
+    case's eager time can be its host time, and one slow host call once picked the wrong chunk size for
+    every few-row launch (4x1M: 19 -> 49 us in one sweep)."""
     rec = {"knobs": knobs, "what": what, "dtype": str(dtype), "ms": {}, "timing": "graph_ms"}
     try:
-        for rows, cols in cases:
-            # enough input copies to outgrow L2 (100 MB) when one input fits in it, as in family_case
-            n_copies = min(16, -(-100_000_000 // (rows * cols * dtype.itemsize)))
-            xs = [torch.randn(rows, cols, device="cuda", dtype=dtype) * 3 for _ in range(n_copies)]
-            fwd = [lambda x=x: ks.softmax_forward(x) for x in xs]
-            lse = [lambda x=x: ks.logsumexp_forward(x) for x in xs]
-            if what == "lse":
-                ms = graph_ms(lse)
-            elif what == "fwd":
-                ms = graph_ms(fwd)
-            elif what == "fwd+lse":
-                ms = graph_ms(fwd) + graph_ms(lse)
-            else:
-                ys = [ks.softmax_forward(x) for x in xs]
-                ms = graph_ms([lambda y=y, g=torch.randn_like(y): ks.softmax_backward(y, g) for y in ys])
-                if what == "both":
-                    ms += graph_ms(fwd)
-            rec["ms"][f"{rows}x{cols}"] = ms
-            del xs, fwd
+        with ks.config_override(**{**(base or {}), **knobs}):
+            for rows, cols in cases:
+                # enough input copies to outgrow L2 (100 MB) when one input fits in it, as in family_case
+                n_copies = min(16, -(-100_000_000 // (rows * cols * dtype.itemsize)))
+                xs = [torch.randn(rows, cols, device="cuda", dtype=dtype) * 3 for _ in range(n_copies)]
+                fwd = [lambda x=x: ks.softmax_forward(x) for x in xs]
+                lse = [lambda x=x: ks.logsumexp_forward(x) for x in xs]
+                if what == "lse":
+                    ms = graph_ms(lse)
+                elif what == "fwd":
+                    ms = graph_ms(fwd)
+                elif what == "fwd+lse":
+                    ms = graph_ms(fwd) + graph_ms(lse)
+                else:
+                    ys = [ks.softmax_forward(x) for x in xs]
+                    ms = graph_ms([lambda y=y, g=torch.randn_like(y): ks.softmax_backward(y, g) for y in ys])
+                    if what == "both":
+                        ms += graph_ms(fwd)
+                rec["ms"][f"{rows}x{cols}"] = ms
+                del xs, fwd
         rec["total_ms"] = sum(rec["ms"].values())
     except Exception as e:  # a variant that does not compile or fit is data too
         rec["error"] = repr(e)[:300]
         rec["total_ms"] = float("inf")
-    finally:
-        ks.TUNING.clear()
-        ks.TUNING.update(saved)
     print(f"  variant {what} {knobs}: {rec['ms']} total {rec['total_ms']:.4g} ms", flush=True)
     return rec
 
 
-def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
-    """Pick the dispatch knobs from a small sweep (fp32, 64M-element cases), set them in ks.TUNING and
-    return them with the sweep's records: the main measurements then run with the winners."""
+def tune_softmax(coop: bool = True) -> tuple[dict, list[dict], dict]:
+    """Pick the dispatch constants from a small sweep (fp32, 64M-element cases): returns the winners,
+    the sweep's records, and the fields to override for the main measurements (the winners, and with
+    `coop` off the cooperative kernels off too)."""
     log = []
     chosen = {}
-    # the base paths first; the cooperative and look-back forms are then compared with their winners
-    ks.TUNING.update(coop_fwd=0, coop_bwd=0, lookback_fwd=0, lookback_bwd=0)
+    # the base paths first, without the cooperative kernels; those are then compared with their winners
+    applied = dict(NO_COOP)
 
     def pick(group, variants, cases, what, dtype=torch.float32):
-        recs = [_time_knobs(k, cases, what, dtype) for k in variants]
+        recs = [_time_knobs(k, cases, what, dtype, base=applied) for k in variants]
         log.extend(dict(r, group=group) for r in recs)
         best = min(recs, key=lambda r: r["total_ms"])
         chosen.update(best["knobs"])
-        ks.TUNING.update(best["knobs"])
+        applied.update(best["knobs"])
 
     mid = [(TOTAL // 16384, 16384), (TOTAL // 32768, 32768)]
     pick("row block (fwd)", [{"max_row_block": v} for v in (8192, 16384, 32768)], mid, "fwd")
@@ -259,13 +268,13 @@ def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
          long, "fwd")
     pick("split threshold (fwd)", [{"split_rows": v} for v in (None, 64, 1 << 30)], long[:2], "fwd")
     # the cooperative kernels apply to many rows (>= coop_min_rows): few-row cases would only add their
-    # timing noise there; the look-back kernels also take the few-row cases
+    # timing noise there
     coop_cases = [(TOTAL // 65536, 65536), (TOTAL // 131072, 131072), (TOTAL >> 20, 1 << 20)]
-    if coop:  # last: the other knobs are what it is compared with
+    if coop:  # last: the other knobs are what it is compared with (NO_COOP: none of them)
         for which in ("fwd", "bwd"):
             pick(f"cooperative long rows ({which})",
-                 [{f"coop_{which}": 0}] + [{f"coop_{which}": 1, f"coop_piece_{which}": p, f"coop_warps_{which}": w}
-                                          for p, w in ((1024, 2), (2048, 4), (4096, 4), (4096, 8))],
+                 [NO_COOP] + [{**COOP_ON, f"coop_piece_{which}": p, f"coop_warps_{which}": w}
+                              for p, w in ((1024, 2), (2048, 4), (4096, 4), (4096, 8))],
                  coop_cases, which)
         # the plan for rows that fit once in flight with the pieces above (`_coop_launch`); rows of 2M
         # too: uncapped, their 512 pieces are more programs than the GPU holds at once, so they leave
@@ -285,23 +294,9 @@ def tune_softmax(coop: bool = True) -> tuple[dict, list[dict]]:
              [{"coop_piece_fwd_16": p, "coop_warps_fwd_16": w, "coop_maxnreg_fwd_16": r}
               for p, w, r in ((2048, 1, 168), (2048, 1, 128), (2048, 1, None), (1024, 1, 96), (4096, 2, 168))],
              coop_cases[:2] + [(TOTAL // 32767, 32767), (TOTAL // 50257, 50257)], "fwd+lse", torch.bfloat16)
-        # bf16 softmax: each piece's exps kept as fp16 words for its output, or a second exp from x
-        pick("kept exps (fwd, bf16)", [{"coop_exps_16": 0}, {"coop_exps_16": 1}],
-             coop_cases[:2] + [(TOTAL // 50257, 50257)], "fwd", torch.bfloat16)
-        # short rows off the boundaries: one per program, or cut into the cooperative pieces above
-        pick("aligned short rows (fwd, bf16)", [{"aligned_rows": 0}, {"aligned_rows": 1}],
-             [(TOTAL // n, n) for n in (1025, 4097, 8191, 16383)], "fwd", torch.bfloat16)
-    long_fwd = coop_cases + [(4, 1 << 20), (8, 131072)]
-    pick("look-back long rows (fwd)",
-         [{"lookback_fwd": 0}] + [{"lookback_fwd": 1, "lb_piece": p, "lb_block": b, "lb_warps": w, "lb_group_bytes": g}
-                                  for p, b, w, g in ((8192, 2048, 8, 4 << 20), (8192, 4096, 8, 4 << 20),
-                                                     (16384, 4096, 16, 4 << 20), (4096, 2048, 4, 4 << 20),
-                                                     (8192, 2048, 8, 1 << 20), (8192, 2048, 8, 16 << 20))],
-         long_fwd, "fwd")
-    pick("look-back long rows (bwd)", [{"lookback_bwd": 0}, {"lookback_bwd": 1}], long_fwd, "bwd")
     bmid = [(TOTAL // 8192, 8192), (TOTAL // 16384, 16384)]
     pick("row block (bwd)", [{"max_row_block_bwd": v} for v in (4096, 8192, 16384)], bmid, "bwd")
-    return chosen, log
+    return chosen, log, applied
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -383,28 +378,24 @@ def tune_log_bmm() -> tuple[dict, list[dict]]:
     b = torch.randn(B, M, P, device="cuda")
     g = torch.randn(B, N, P, device="cuda")
     out = kl.log_bmm_forward(a, b)
-    saved = dict(kl.TUNING)
     log = []
     best = {"fwd": (float("inf"), None), "bwd": (float("inf"), None)}
     for warps, vecs, unroll in [(4, 8, 2), (4, 8, 4), (4, 4, 4), (8, 8, 2), (4, 16, 2), (2, 8, 4), (8, 4, 4)]:
         rec = {"warps": warps, "vecs": vecs, "unroll": unroll}
         for which in ("fwd", "bwd"):
-            kl.TUNING.update({f"{which}_warps": warps, f"{which}_vecs": vecs, f"{which}_unroll": unroll})
-            if which == "bwd":
-                kl.TUNING["bwd_dot"] = 0
+            knobs = {f"{which}_warps": warps, f"{which}_vecs": vecs, f"{which}_unroll": unroll}
+            exact = {"dot_min_tiles": 1 << 62} if which == "bwd" else {}  # (the exact kernel alone)
             try:
-                fn = (lambda: kl.log_bmm_forward(a, b)) if which == "fwd" else (lambda: kl.log_bmm_backward(a, b, out, g))
-                rec[f"{which}_ms"] = ms = bench(fn)
+                with kl.config_override(**knobs, **exact):
+                    fn = (lambda: kl.log_bmm_forward(a, b)) if which == "fwd" else (lambda: kl.log_bmm_backward(a, b, out, g))
+                    rec[f"{which}_ms"] = ms = bench(fn)
                 if ms < best[which][0]:
-                    best[which] = (ms, {f"{which}_warps": warps, f"{which}_vecs": vecs, f"{which}_unroll": unroll})
+                    best[which] = (ms, knobs)
             except Exception as e:
                 rec[f"{which}_error"] = repr(e)[:300]
-            kl.TUNING.clear()
-            kl.TUNING.update(saved)
         print(f"  log_bmm variant {rec}", flush=True)
         log.append(rec)
     chosen = {**best["fwd"][1], **best["bwd"][1]}
-    kl.TUNING.update(chosen)
     return chosen, log
 
 
@@ -474,12 +465,15 @@ def plots(result: dict, stem: str) -> list[str]:
 def summarize(result: dict) -> dict:
     fam = result["softmax_family"]
     big32 = [r for r in fam if r["dtype"] == "float32" and r["cols"] >= 4096]
+    big16 = [r for r in fam if r["dtype"] == "bfloat16" and r["cols"] >= 4096 and r["rows"] * r["cols"] >= TOTAL // 4]
 
     def mn(vals):
         return min(vals) if vals else None
 
     s = {
         "softmax_fwd_vs_copy_min_cols_ge_4K": mn([r["ours"]["fwd_vs_copy"] for r in big32 if r["op"] == "softmax"]),
+        # (bf16 inputs of at least 32 MB: the EXTRA cases)
+        "softmax_bf16_fwd_vs_copy_min_cols_ge_4K": mn([r["ours"]["fwd_vs_copy"] for r in big16 if r["op"] == "softmax"]),
         "softmax_fwd_vs_torch_min_cols_ge_4K": mn([r["fwd_speedup"] for r in big32 if r["op"] == "softmax"]),
         "softmax_bwd_vs_torch_min_cols_ge_4K": mn([r["bwd_speedup"] for r in big32 if r["op"] == "softmax"]),
         "logsumexp_fwd_vs_torch_min_cols_ge_4K": mn([r["fwd_speedup"] for r in big32 if r["op"] == "logsumexp"]),
@@ -499,13 +493,18 @@ def summarize(result: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    ap.add_argument("--quick", action="store_true", help="fewer sizes, no variant sweeps")
+    ap.add_argument("--quick", action="store_true",
+                    help="no variant sweeps (the committed constants), float32 cases only, three log_bmm sizes")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: tune,family,log_bmm")
     ap.add_argument("--no-coop", action="store_true", help="measure without the cooperative long-row kernels")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    if args.quick:
+        skip.add("tune")
+    # the whole run under the configs it measures: the sweeps' winners once picked (`config_override`)
+    configs = contextlib.ExitStack()
     if args.no_coop:
-        ks.TUNING["coop_fwd"] = ks.TUNING["coop_bwd"] = 0
+        configs.enter_context(ks.config_override(**NO_COOP))
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
@@ -517,7 +516,8 @@ def main() -> None:
                   "calls over rotated input copies, CUDA events, median of 15 replays; the softmax knob sweep "
                   "(variants) picks by that GPU time",
         "peer_figures_DESIGN_s9": PEER_FIGURES, "bars": BARS,
-        "tuning_softmax": dict(ks.TUNING), "tuning_log_bmm": dict(kl.TUNING),
+        "tuning_softmax": dataclasses.asdict(ks.active_config()),
+        "tuning_log_bmm": dataclasses.asdict(kl.active_config()),
         "softmax_family": [], "variants": [], "log_bmm": [], "log_bmm_variants": [],
     }
 
@@ -548,14 +548,16 @@ def main() -> None:
     # tune first (short sweeps), then measure with the winners; most important measurements first, so
     # that a run cut short by its time limit still leaves a JSON of what it measured
     if "tune" not in skip:
-        result["tuned_softmax"], result["variants"] = tune_softmax(coop=not args.no_coop)
-        result["tuning_softmax"] = dict(ks.TUNING)
+        result["tuned_softmax"], result["variants"], applied = tune_softmax(coop=not args.no_coop)
+        configs.enter_context(ks.config_override(**applied))
+        result["tuning_softmax"] = dataclasses.asdict(ks.active_config())
         save()
     if "family" not in skip:
         family([(TOTAL // c, c, torch.float32) for c in COLS])
     if "tune" not in skip:
         result["tuned_log_bmm"], result["log_bmm_variants"] = tune_log_bmm()
-        result["tuning_log_bmm"] = dict(kl.TUNING)
+        configs.enter_context(kl.config_override(**result["tuned_log_bmm"]))
+        result["tuning_log_bmm"] = dataclasses.asdict(kl.active_config())
         save()
     if "log_bmm" not in skip:
         for dims in LOG_BMM[1:] if args.quick else LOG_BMM:
@@ -591,6 +593,7 @@ def main() -> None:
               f"{r.get('naive_fwd_peak_GB', float('nan')):.1f} GB")
     print("summary:", json.dumps(result.get("summary", {})))
     print(f"wrote {stem}.json ({time.time() - t0:.0f}s)")
+    configs.close()
 
 
 if __name__ == "__main__":

@@ -14,14 +14,21 @@ through `launch`; of one tensor, ~16 through `kernel[grid]`).
 
 Every case it does not know to be safe takes Triton's own path: the interpreter (CPU), tensors not on
 a CUDA device, launch hooks set (profilers), pre-run hooks, argument types other than tensors, ints,
-floats, bools and None, constexprs passed positionally, and a Triton whose internals differ from 3.6's.
-Not re-checked on a hit (Triton does on every launch): that the constexpr globals a kernel reads kept
-their values, and a kernel's source patched at run time (`_unsafe_update_src`).
+floats, bools and None, constexprs passed positionally, and a Triton other than 3.6, whose launcher
+internals these paths do not know (`FAST_PATH`). Not re-checked on a hit (Triton does on every launch):
+that the constexpr globals a kernel reads kept their values, and a kernel's source patched at run time
+(`_unsafe_update_src`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import NamedTuple
+
 import torch
+import triton
 
 try:
     from triton import knobs as _knobs
@@ -34,6 +41,21 @@ except ImportError:  # an older Triton without knobs: every launch takes Triton'
 
 _STREAM_GETTER = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
+FAST_ABI = (3, 6)  # the Triton (major, minor) whose launcher internals the fast paths call directly
+
+
+def fast_path_supported(version: str) -> bool:
+    """Whether a Triton of this version string has the launcher internals `launch` and `BoundLaunch`
+    call directly (3.6's: the compiled launcher's C function and its argument order)."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return m is not None and (int(m[1]), int(m[2])) == FAST_ABI
+
+
+# True: `launch` and `BoundLaunch` call Triton 3.6's compiled launchers directly where they can. False
+# (another Triton; or set by a test, read at every launch): every launch is Triton's own
+# `kernel[grid](...)`, through the same interface
+FAST_PATH = _knobs is not None and _JITFunction is not None and fast_path_supported(triton.__version__)
+
 _MAX_ENTRIES = 4096  # distinct (kernel, specialisation) pairs kept; the cache starts over past this
 # key -> (run, function, packed_metadata, constexpr names, kernel), or None: that key always takes
 # Triton's path. The entry keeps the kernel alive, so its id (in the key) is not reused while cached;
@@ -42,7 +64,7 @@ _CACHE: dict[tuple, tuple | None] = {}
 _MISSING = object()
 
 
-def _raw_stream(index: int | None) -> int:
+def current_raw_stream(index: int | None) -> int:
     """The current CUDA stream's handle. `torch.cuda.current_stream()` builds a Stream object (several
     us of host time per call); the raw getter, which Triton's own launcher uses, does not.
 
@@ -94,16 +116,13 @@ def _hook_idle(hook) -> bool:
 
 def _fast_path_on(kernel) -> bool:
     """False where every launch must take Triton's path (interpreter, hooks, another Triton)."""
-    if _knobs is None or _STREAM_GETTER is None:
+    # (the interpreter's kernels, under TRITON_INTERPRET=1, are not JITFunctions)
+    if not FAST_PATH or _STREAM_GETTER is None or not isinstance(kernel, _JITFunction):
         return False
     runtime = _knobs.runtime
-    # TRITON_INTERPRET=1 (CPU tests): the knob reads the environment variable as `os.environ` would, in
-    # a quarter of the time (and also takes the other spellings of true the interpreter switch takes)
-    if runtime.interpret:
-        return False
     if not (_hook_idle(runtime.launch_enter_hook) and _hook_idle(runtime.launch_exit_hook)):
         return False
-    # pre-run hooks run on every launch; a kernel without the attribute is not a 3.6 JITFunction
+    # pre-run hooks run on every launch
     return not getattr(kernel, "pre_run_hooks", True)
 
 
@@ -229,7 +248,7 @@ class BoundLaunch:
         launch(self.kernel, self.grid, *self._full(free), num_warps=self.num_warps, **self.consts)
 
     def __call__(self, *free) -> None:
-        runtime = _knobs.runtime if self.jit else None
+        runtime = _knobs.runtime if self.jit and FAST_PATH else None
         if runtime is None or self.kernel.pre_run_hooks or not (
             _hook_idle(runtime.launch_enter_hook) and _hook_idle(runtime.launch_exit_hook)
         ):
@@ -285,3 +304,31 @@ class BoundLaunch:
             self.entries.clear()
         self.entries[key] = entry
         return entry
+
+
+class Launched(NamedTuple):
+    """A launch `recorded_launches` saw."""
+
+    kernel: str  # the kernel's name
+    grid: tuple[int, ...]
+    num_warps: int
+    consts: dict  # constexprs and launch options (maxnreg, launch_cooperative_grid)
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[Launched]]:
+    """The launches that `BoundLaunch`es make inside the block, in order (tests and benchmarks: which
+    kernels a call runs, with which constexprs). Not thread-safe: it replaces `BoundLaunch.__call__`
+    for the block, and costs nothing outside one."""
+    seen: list[Launched] = []
+    real = BoundLaunch.__call__
+
+    def recorded(bound: BoundLaunch, *free) -> None:
+        seen.append(Launched(bound.kernel.fn.__name__, bound.grid, bound.num_warps, bound.consts))
+        return real(bound, *free)
+
+    BoundLaunch.__call__ = recorded
+    try:
+        yield seen
+    finally:
+        BoundLaunch.__call__ = real

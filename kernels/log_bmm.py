@@ -28,6 +28,11 @@ gradients.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -37,23 +42,47 @@ from ringlse.kernels.host import cdiv, next_power_of_2
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
-# defaults = the winners of the tuning sweep in benchmarks/results/lse_toolkit-nvidia-h200.json
-TUNING: dict[str, int] = {
-    "fwd_warps": 4,  # a tile is 32 * num_warps rows (one per thread) by 4 * VECS columns
-    "fwd_vecs": 4,  # 16-byte vectors of columns per thread
-    "fwd_unroll": 4,
-    "bwd_warps": 8,
-    "bwd_vecs": 4,
-    "bwd_unroll": 4,
+@dataclass(frozen=True)
+class LogBmmConfig:
+    """Tile constants of the launchers: the winners of the tuning sweep in
+    benchmarks/results/lse_toolkit-nvidia-h200.json (`CONFIG`)."""
+
+    fwd_warps: int = 4  # a tile is 32 * num_warps rows (one per thread) by 4 * VECS columns
+    fwd_vecs: int = 4  # 16-byte vectors of columns per thread
+    fwd_unroll: int = 4
+    bwd_warps: int = 8
+    bwd_vecs: int = 4
+    bwd_unroll: int = 4
     # backward through tile-local maxima and a float32 matmul (`_log_bmm_grad_dot_kernel`)
-    "bwd_dot": 1,
-    "dot_bx": 64,
-    "dot_by": 64,
-    "dot_bs": 32,
-    "dot_warps": 4,
-    "dot_max_shift": 64,
-    "dot_min_tiles": 256,  # fewer factored tiles than this (all batches): the exact kernel alone
-}
+    dot_bx: int = 64
+    dot_by: int = 64
+    dot_bs: int = 32
+    dot_warps: int = 4
+    dot_max_shift: float = 64.0
+    dot_min_tiles: int = 256  # fewer factored tiles than this (all batches): the exact kernel alone
+
+
+CONFIG = LogBmmConfig()
+_active = CONFIG
+
+
+def active_config() -> LogBmmConfig:
+    """The config launches use now: `CONFIG`, or the innermost `config_override`'s."""
+    return _active
+
+
+@contextlib.contextmanager
+def config_override(**changes) -> Iterator[LogBmmConfig]:
+    """Launch inside the block with the active config's fields replaced by `changes` (tests and
+    benchmark sweeps; process-wide, not per thread). Unknown names raise TypeError."""
+    global _active
+    previous = _active
+    _active = dataclasses.replace(previous, **changes)
+    try:
+        yield _active
+    finally:
+        _active = previous
+
 
 _VEC = 4  # float32 values per 16-byte vector
 
@@ -254,10 +283,6 @@ def _padded_f32(x: torch.Tensor, cols: int) -> torch.Tensor:
     return out
 
 
-def _warps_vecs(which: str) -> tuple[int, int]:
-    return int(TUNING[f"{which}_warps"]), int(TUNING[f"{which}_vecs"])
-
-
 def log_bmm_forward(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`out[b,i,j] = logsumexp_k(a[b,i,k] + b[b,k,j])`, no autograd.
 
@@ -277,7 +302,8 @@ def log_bmm_forward(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | Non
         return out
     if M == 0:
         return out.fill_(float("-inf"))
-    warps, vecs = _warps_vecs("fwd")
+    cfg = _active
+    warps, vecs = cfg.fwd_warps, cfg.fwd_vecs
     bx, by = 32 * warps, _VEC * vecs
     # the k loop reads a column of a (a k-major copy makes it contiguous) and a row of b (padded to
     # the tile's columns so that its 16-byte loads need no mask)
@@ -286,7 +312,7 @@ def log_bmm_forward(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | Non
     grid = (cdiv(N, bx), cdiv(P, by), B)
     _log_bmm_fwd_kernel[grid](
         at, bp, out, N, M, P, at.stride(0), at.stride(1), bp.stride(0), bp.stride(1), out.stride(0), out.stride(1),
-        YR=vecs, NUM_WARPS=warps, UNROLL=int(TUNING["fwd_unroll"]), num_warps=warps,
+        YR=vecs, NUM_WARPS=warps, UNROLL=cfg.fwd_unroll, num_warps=warps,
     )
     return out
 
@@ -303,29 +329,30 @@ def _grad(x: torch.Tensor, v: torch.Tensor, o: torch.Tensor, g: torch.Tensor) ->
     x = x.to(torch.float32).contiguous()
     o = o.to(torch.float32).contiguous()
     g = g.to(torch.float32).contiguous()
-    warps, vecs = _warps_vecs("bwd")
+    cfg = _active
+    warps, vecs = cfg.bwd_warps, cfg.bwd_vecs
     bx, by = 32 * warps, _VEC * vecs
     vp = _padded_f32(v, cdiv(Y, by) * by)
-    exact = dict(YR=vecs, NUM_WARPS=warps, UNROLL=int(TUNING["bwd_unroll"]), num_warps=warps)
+    exact = dict(YR=vecs, NUM_WARPS=warps, UNROLL=cfg.bwd_unroll, num_warps=warps)
     grid = (cdiv(X, bx), cdiv(Y, by), B)
-    dbx, dby, dbs = int(TUNING["dot_bx"]), int(TUNING["dot_by"]), int(TUNING["dot_bs"])
+    dbx, dby, dbs = cfg.dot_bx, cfg.dot_by, cfg.dot_bs
     fx, fy = cdiv(X, dbx), cdiv(Y, dby)
     # few factored tiles leave most SMs idle, each walking all of S: the exact kernel's narrower tiles
     # spread such problems wider (H200: 2x97x1000x130 0.16 ms exact, 0.41 ms factored over 64 tiles)
-    if not TUNING["bwd_dot"] or B * fx * fy < int(TUNING["dot_min_tiles"]):
+    if B * fx * fy < cfg.dot_min_tiles:
         _log_bmm_grad_kernel[grid](
             x, vp, o, g, d, d, X, Y, S, x.stride(0), x.stride(1), vp.stride(0), vp.stride(1), o.stride(0),
             o.stride(1), d.stride(0), d.stride(1), 1, 1, **exact,
         )
         return d
     if dby % by:  # an exact tile must lie in one column of factored tiles (its flag check reads one)
-        raise ValueError(f"log_bmm: TUNING dot_by={dby} must be a multiple of the exact tile's {by} columns")
+        raise ValueError(f"log_bmm: config dot_by={dby} must be a multiple of the exact tile's {by} columns")
     flags = torch.zeros((B, fy, fx), dtype=torch.int32, device=x.device)
     # the padded copy serves both kernels (the factored one masks columns >= Y itself)
     _log_bmm_grad_dot_kernel[(fx, fy, B)](
         x, vp, o, g, d, flags, X, Y, S, x.stride(0), x.stride(1), vp.stride(0), vp.stride(1), o.stride(0), o.stride(1),
-        d.stride(0), d.stride(1), BX=dbx, BY=dby, BS=dbs, MAX_SHIFT=float(TUNING["dot_max_shift"]),
-        num_warps=int(TUNING["dot_warps"]),
+        d.stride(0), d.stride(1), BX=dbx, BY=dby, BS=dbs, MAX_SHIFT=float(cfg.dot_max_shift),
+        num_warps=cfg.dot_warps,
     )
     # the tiles it left, exactly (programs over other tiles return at once)
     _log_bmm_grad_kernel[grid](

@@ -1,6 +1,6 @@
 """How many programs of a compiled kernel one SM holds at once (host code).
 
-The cooperative kernels (`softmax.py`) spin on each other, so their grid must never exceed what the GPU
+The cooperative softmax kernels (`softmax/coop_kernels.py`) spin on each other, so their grid must never exceed what the GPU
 holds at once. The driver answers that exactly (`cuOccupancyMaxActiveBlocksPerMultiprocessor`, asked
 through ctypes: no dependency beyond the driver that runs the kernel); where it cannot be asked, the
 count follows the driver's rules, one of which is easy to miss: registers are allocated per warp from

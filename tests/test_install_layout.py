@@ -5,6 +5,8 @@ works without Triton."""
 from __future__ import annotations
 
 import json
+
+import pytest
 import os
 import shutil
 import subprocess
@@ -148,3 +150,18 @@ print("ok")
     proc = _run_python(code, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+def test_every_package_directory_is_installed():
+    """A wheel installs only the packages pyproject lists: every directory with an __init__.py under
+    ringlse/ and kernels/ must be there (kernels/ as ringlse.kernels)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for top, name in (("ringlse", "ringlse"), ("kernels", "ringlse.kernels")):
+        for init in (root / top).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / top).parts
+            found.add(".".join((name, *rel)))
+    assert found == listed, f"pyproject packages {sorted(listed)} vs package directories {sorted(found)}"

@@ -360,23 +360,22 @@ interpreted = pytest.mark.skipif(
 )
 
 # forward regimes, shrunk so that short rows take them (as tests/test_lse_toolkit.py's REGIMES), with the
-# row length that takes them: `_fwd_rows_kernel` ("rows"), the rows off 16-byte boundaries in 16-byte
-# vectors (`_fwd_rows_aligned_kernel`, "aligned"), two passes in one program per row ("fused"), rows
-# split over programs with a stats kernel and a merge ("split"), one launch of interleaved stats and
-# normalising programs ("lookback")
+# row length that takes them: `fwd_rows_kernel` ("rows"), the rows off 16-byte boundaries in 16-byte
+# vectors (`fwd_rows_aligned_kernel`, "aligned"), two passes in one program per row ("fused"), rows
+# split over programs with a stats kernel and a merge ("split")
 _LONG = {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "chunk": 32}
+# the cooperative kernels with one piece per row, on 3 programs (as test_kernel_cooperative_one_piece_per_row:
+# more pieces would wait on programs the interpreter has not run yet)
+_COOP = {**_LONG, "coop_max_programs": 3, "coop_min_rows": 1, "coop_piece_fwd": 64}
 KERNEL_REGIMES: dict[str, tuple[int, dict]] = {
     "rows": (3, {}),
     "aligned": (41, {"aligned_rows_min_cols": 1}),
-    "fused": (40, {**_LONG, "split_rows": 1, "lookback_fwd": 0, "lookback_bwd": 0}),
-    "split": (40, {**_LONG, "split_rows": 1 << 30, "lookback_fwd": 0, "lookback_bwd": 0}),
-    "lookback": (40, {**_LONG, "lookback_fwd": 1, "lookback_bwd": 1, "lb_block": 8, "lb_piece": 16,
-                      "lb_group_bytes": 64}),
-    # the cooperative kernels with one piece per row (as test_kernel_cooperative_one_piece_per_row: more
-    # pieces would wait on programs the interpreter has not run yet): `_fwd_coop_kernel` (40 columns)
-    # and, rows off 16-byte boundaries, `_fwd_coop_aligned_kernel` (41); logsumexp takes "split" there
-    "coop": (40, {**_LONG, "coop_tasks_fwd": 0}),
-    "coop_aligned": (41, {**_LONG, "coop_tasks_fwd": 0, "aligned_min_cols": 1}),
+    "fused": (40, {**_LONG, "split_rows": 1}),
+    "split": (40, {**_LONG, "split_rows": 1 << 30}),
+    # `fwd_coop_kernel` (40 columns) and, rows off 16-byte boundaries, `fwd_coop_aligned_kernel` (41);
+    # logsumexp takes "split" there
+    "coop": (40, _COOP),
+    "coop_aligned": (41, _COOP),
 }
 
 # (fn, case) where the kernels' forward disagrees with torch, in every regime above (found under the
@@ -412,21 +411,16 @@ def kernel_params():
 
 @interpreted
 @pytest.mark.parametrize("fn,case,regime", list(kernel_params()))
-def test_kernel_forward_matches_torch(monkeypatch, fn, case, regime):
+def test_kernel_forward_matches_torch(fn, case, regime):
     from ringlse.kernels import softmax as ks
 
     n, knobs = KERNEL_REGIMES[regime]
-    for key, value in knobs.items():
-        monkeypatch.setitem(ks.TUNING, key, value)
-    if regime.startswith("coop"):
-        monkeypatch.setattr(ks, "_coop_plan", lambda R, N, device, which, itemsize, tier="":
-                            None if tier else (1, 1 << (N - 1).bit_length(), 4, None))
-        monkeypatch.setattr(ks, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: min(R, 3))
     x = make_rows(case, n, F32)
-    if fn == "logsumexp":
-        y = ks.logsumexp_forward(x, -1)
-    else:
-        y = ks.softmax_forward(x, -1, log=fn == "log_softmax")
+    with ks.config_override(**knobs):
+        if fn == "logsumexp":
+            y = ks.logsumexp_forward(x, -1)
+        else:
+            y = ks.softmax_forward(x, -1, log=fn == "log_softmax")
     torch.testing.assert_close(y, expected(fn, x, -1), equal_nan=True)
 
 

@@ -9,6 +9,9 @@ poisoned with NaN before the kernel writes them (the launchers take `out=`).
 CPU: the PyTorch fallbacks (float64 gradcheck) and the Triton kernels under the interpreter (float32 and
 float16: the interpreter is only trusted for those, DESIGN §7). GPU (`@pytest.mark.gpu`): the public
 functions on CUDA in bf16/fp16/fp32, rows up to 1M columns, and log_bmm.
+
+The kernels' paths are steered through `ringlse.kernels.softmax.config_override` (rows shrunk so that
+small inputs take the long-row kernels) and observed through `ringlse.kernels.launch.recorded_launches`.
 """
 
 from __future__ import annotations
@@ -246,19 +249,19 @@ KERNEL_CASES = [
 ]
 KERNEL_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
 
-# long-row regimes, shrunk so that small rows take them: two passes in one program per row ("fused"),
-# rows split over programs with a stats kernel and a merge ("split"), or the forward's one launch of
-# interleaved stats and normalising programs ("lookback": pieces of 16 columns in chunks of 8, groups
-# of 64 bytes = one or two rows)
+# long-row regimes, shrunk so that small rows take them: two passes in one program per row ("fused") or
+# rows split over programs with a stats kernel and a merge ("split")
 REGIMES = {
     "rows": {},
-    "fused": {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "chunk": 32, "split_rows": 1, "lookback_fwd": 0,
-              "lookback_bwd": 0},
-    "split": {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "chunk": 32, "split_rows": 1 << 30, "lookback_fwd": 0,
-              "lookback_bwd": 0},
-    "lookback": {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "chunk": 32, "lookback_fwd": 1, "lookback_bwd": 1,
-                 "lb_block": 8, "lb_piece": 16, "lb_group_bytes": 64},
+    "fused": {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "chunk": 32, "split_rows": 1},
+    "split": {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "chunk": 32, "split_rows": 1 << 30},
 }
+# the cooperative kernels under the interpreter: at most 3 programs, rows of one piece (it runs programs
+# one after another: a program waiting on a later one would wait forever, so rows of more pieces take
+# the other paths there), pieces at least as long as the rows of these tests (the launcher halves them
+# where that fills them better)
+COOP_ONE_PIECE = {"coop_max_programs": 3, "coop_min_rows": 1,
+                  **{f"coop_piece_{which}": 128 for which in ("fwd", "fwd_16", "bwd", "bwd_16")}}
 
 
 @pytest.fixture
@@ -268,33 +271,13 @@ def kernels():
     return ks
 
 
-@pytest.fixture(autouse=True)
-def fresh_call_plans():
-    """Call plans are cached per layout and knobs; tests replace the planners (`_coop_plan`,
-    `_coop_grid`), so each test starts and ends with no cached plan."""
-    from ringlse.kernels import softmax as ks
+@pytest.fixture
+def launches():
+    """The launches the softmax launchers make during the test (`launch.recorded_launches`)."""
+    from ringlse.kernels.launch import recorded_launches
 
-    ks._CALL_PLANS.clear()
-    yield
-    ks._CALL_PLANS.clear()
-
-
-def spy_launches(monkeypatch, ks) -> list[tuple[str, dict]]:
-    """`(kernel name, constexprs)` of every launch the softmax launchers make from now on (all of them
-    go through their plans' `BoundLaunch`es)."""
-    launched, real = [], ks.BoundLaunch.__call__
-
-    def spy(bound, *free):
-        launched.append((bound.kernel.fn.__name__, bound.consts))
-        return real(bound, *free)
-
-    monkeypatch.setattr(ks.BoundLaunch, "__call__", spy)
-    return launched
-
-
-def set_regime(monkeypatch, ks, regime):
-    for key, value in REGIMES[regime].items():
-        monkeypatch.setitem(ks.TUNING, key, value)
+    with recorded_launches() as seen:
+        yield seen
 
 
 def kernel_forward(ks, mode, x, dim):
@@ -348,25 +331,25 @@ LONG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("regime", ["fused", "split", "lookback"])
+@pytest.mark.parametrize("regime", ["fused", "split"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape,dim", LONG_CASES)
-def test_kernel_long_rows(kernels, monkeypatch, shape, dim, mode, regime):
-    set_regime(monkeypatch, kernels, regime)
+def test_kernel_long_rows(kernels, shape, dim, mode, regime):
     x = make_x(shape, dim, torch.float32, scale=3.0, seed=7)
-    judge_against("fwd", kernel_forward(kernels, mode, x, dim), x, dim, mode, torch.float32)
     gshape = x.movedim(dim, -1).shape[:-1] if mode == "logsumexp" else x.shape
     g = torch.randn(gshape)
-    judge_against("dx", kernel_backward(kernels, mode, x, g, dim), x, dim, mode, torch.float32, g=g)
+    with kernels.config_override(**REGIMES[regime]):
+        judge_against("fwd", kernel_forward(kernels, mode, x, dim), x, dim, mode, torch.float32)
+        judge_against("dx", kernel_backward(kernels, mode, x, g, dim), x, dim, mode, torch.float32, g=g)
 
 
-@pytest.mark.parametrize("regime", ["rows", "split", "lookback"])
+@pytest.mark.parametrize("regime", ["rows", "split"])
 @pytest.mark.parametrize("mode", MODES)
-def test_kernel_scaled_x100_fp16(kernels, monkeypatch, mode, regime):
+def test_kernel_scaled_x100_fp16(kernels, mode, regime):
     """Large logits: the max shift must keep every exp in range (fp16 holds at most 65504)."""
-    set_regime(monkeypatch, kernels, regime)
     x = make_x((3, 150), -1, torch.float16, scale=100.0, seed=8)
-    judge_against("fwd", kernel_forward(kernels, mode, x, -1), x, -1, mode, torch.float16)
+    with kernels.config_override(**REGIMES[regime]):
+        judge_against("fwd", kernel_forward(kernels, mode, x, -1), x, -1, mode, torch.float16)
 
 
 def test_kernel_non_foldable_layout_and_all_neginf(kernels):
@@ -395,24 +378,25 @@ def test_kernel_out_checked_before_launch(kernels):
             kernels.logsumexp_forward(x, out=bad)
 
 
-@pytest.mark.parametrize("tasks", [0, 2], ids=["rows", "tasks"])
 @pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
-def test_kernel_cooperative_one_piece_per_row(kernels, monkeypatch, mode, tasks):
+def test_kernel_cooperative_one_piece_per_row(kernels, launches, mode):
     """The cooperative kernels under the interpreter: with one piece per row a program waits only on
     itself (more pieces would wait on programs the interpreter has not run yet; the GPU tests cover
-    those). Rows are spread over 3 programs, strided columns included; the forward's grid as whole rows
-    and as tasks (`_tasks_grid`)."""
-    monkeypatch.setitem(kernels.TUNING, "coop_tasks_fwd", tasks)
-    monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize, tier="": None if tier else (1, 1 << (N - 1).bit_length(), 4, None))
-    monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: min(R, 3))
-    monkeypatch.setitem(kernels.TUNING, "max_row_block", 16)
-    monkeypatch.setitem(kernels.TUNING, "max_row_block_16", 16)
-    monkeypatch.setitem(kernels.TUNING, "max_row_block_bwd", 16)
+    those). Rows are spread over 3 programs, strided columns included (`fwd_coop_kernel` element by
+    element, `bwd_coop_kernel`), as whole rows in flight."""
     for shape in ((7, 45, 3), (7, 32, 3)):  # 32: the row fills its piece, no column mask (EVEN)
         x = make_x(shape, 1, torch.float32, scale=3.0, seed=17)
-        judge_against("fwd", kernel_forward(kernels, mode, x, 1), x, 1, mode, torch.float32)
         g = torch.randn(x.shape)
-        judge_against("dx", kernel_backward(kernels, mode, x, g, 1), x, 1, mode, torch.float32, g=g)
+        launches.clear()
+        with kernels.config_override(**{**COOP_ONE_PIECE, "coop_piece_fwd": 64, "coop_piece_bwd": 64},
+                                     max_row_block=16, max_row_block_bwd=16):
+            judge_against("fwd", kernel_forward(kernels, mode, x, 1), x, 1, mode, torch.float32)
+            judge_against("dx", kernel_backward(kernels, mode, x, g, 1), x, 1, mode, torch.float32, g=g)
+        fwd = [ln for ln in launches if ln.kernel == "fwd_coop_kernel"]
+        bwd = [ln for ln in launches if ln.kernel == "bwd_coop_kernel"]
+        assert len(fwd) == 2 and len(bwd) == 1, [ln.kernel for ln in launches]
+        assert fwd[0].grid == (3,) and fwd[0].consts["PACK"] == 0 and not fwd[0].consts["TASKS"]
+        assert fwd[0].consts["EVEN"] == (shape[1] == 32) and bwd[0].consts["EVEN"] == (shape[1] == 32)
 
 
 def assert_backward_of_y(dx, y, g, dim, mode):
@@ -447,47 +431,45 @@ def assert_backward_of_y(dx, y, g, dim, mode):
     ],
 )
 @pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
-def test_kernel_cooperative_layouts(kernels, monkeypatch, mode, dtype, shape, dim, cut, kernel):
+def test_kernel_cooperative_layouts(kernels, launches, mode, dtype, shape, dim, cut, kernel):
     """The cooperative kernels' forms under the interpreter, with one piece per row: rows of
     contiguous columns off 16-byte boundaries in 16-byte vectors and their ends element by element
-    (`_fwd_coop_aligned_kernel`, 2-byte rows as words of two; `_bwd_coop_aligned_kernel`), else
-    2-byte rows as words where they are 4-byte aligned, else element by element (`_fwd_coop_kernel`,
-    `_bwd_coop_kernel`); -inf entries, all -inf rows, values x100, forward and backward; and logsumexp,
+    (`fwd_coop_aligned_kernel`, 2-byte rows as words of two; `bwd_coop_aligned_kernel`), else
+    2-byte rows as words where they are 4-byte aligned, else element by element (`fwd_coop_kernel`,
+    `bwd_coop_kernel`); -inf entries, all -inf rows, values x100, forward and backward; and logsumexp,
     which takes the aligned forward for 2-byte rows off the boundaries."""
-    launches = spy_launches(monkeypatch, kernels)
-    monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize, tier="": None if tier else (1, 1 << (N - 1).bit_length(), 4, None))
-    monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: min(R, 3))
-    for knob in ("max_row_block", "max_row_block_16", "max_row_block_bwd"):
-        monkeypatch.setitem(kernels.TUNING, knob, 4)
-    monkeypatch.setitem(kernels.TUNING, "aligned_min_cols", 1)  # (the tiny rows take it too)
-    monkeypatch.setitem(kernels.TUNING, "aligned_min_cols_16", 1)
+    # (rows longer than the row kernels take: every row here; the aligned backward from one column)
+    knobs = dict(COOP_ONE_PIECE, max_row_block=4, max_row_block_16=4, max_row_block_bwd=4, aligned_min_cols=1,
+                 aligned_min_cols_16=1)
     for scale in (3.0, 100.0):
         x = make_x(shape, dim, dtype, scale=scale, seed=23)[..., cut:]
-        judge_against("fwd", kernel_forward(kernels, mode, x, dim), x, dim, mode, dtype)
         g = torch.randn(x.shape, dtype=F64, generator=torch.Generator().manual_seed(29)).to(dtype)
-        if dtype == torch.float32:
-            judge_against("dx", kernel_backward(kernels, mode, x, g, dim), x, dim, mode, dtype, g=g)
-        else:
-            y = kernels.softmax_forward(x, dim, log=mode == "log_softmax")
-            dx = kernels.softmax_backward(y, g, dim, log=mode == "log_softmax")
-            assert_backward_of_y(dx, y, g, dim, mode)
+        with kernels.config_override(**knobs):
+            judge_against("fwd", kernel_forward(kernels, mode, x, dim), x, dim, mode, dtype)
+            if dtype == torch.float32:
+                judge_against("dx", kernel_backward(kernels, mode, x, g, dim), x, dim, mode, dtype, g=g)
+            else:
+                y = kernels.softmax_forward(x, dim, log=mode == "log_softmax")
+                dx = kernels.softmax_backward(y, g, dim, log=mode == "log_softmax")
+                assert_backward_of_y(dx, y, g, dim, mode)
     pack = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dtype]
     if dtype == torch.float32 and kernel == "pairs":
         kernel = "elements"  # (float32 rows are not paired)
-    want = {"aligned": ("_fwd_coop_aligned_kernel", pack), "pairs": ("_fwd_coop_kernel", pack),
-            "elements": ("_fwd_coop_kernel", 0)}[kernel]
+    want = {"aligned": ("fwd_coop_aligned_kernel", pack), "pairs": ("fwd_coop_kernel", pack),
+            "elements": ("fwd_coop_kernel", 0)}[kernel]
     # the backward's y, g and dx are fresh: contiguous rows, off the boundaries where their length is
     off = dim == -1 and x.shape[-1] * x.element_size() % 16
-    want_bwd = "_bwd_coop_aligned_kernel" if off else "_bwd_coop_kernel"
-    coop = [(name, kw.get("PACK")) for name, kw in launches if "_coop_" in name]
-    assert coop[0] == want  # (the first launches: with the knobs as set)
-    assert next(name for name, _ in coop if name.startswith("_bwd")) == want_bwd
+    want_bwd = "bwd_coop_aligned_kernel" if off else "bwd_coop_kernel"
+    coop = [(ln.kernel, ln.consts.get("PACK")) for ln in launches if "_coop_" in ln.kernel]
+    assert coop[0] == want
+    assert next(name for name, _ in coop if name.startswith("bwd")) == want_bwd
     if mode == "softmax":  # 2-byte logsumexp reads rows off the boundaries as the forward does (its MODE 2)
         launches.clear()
         for scale in (3.0, 100.0):
             x = make_x(shape, dim, dtype, scale=scale, seed=29)[..., cut:]
-            judge_against("lse", kernel_forward(kernels, "logsumexp", x, dim), x, dim, "logsumexp", dtype)
-        coop = [(name, kw.get("PACK")) for name, kw in launches if "_coop_" in name]
+            with kernels.config_override(**knobs):
+                judge_against("lse", kernel_forward(kernels, "logsumexp", x, dim), x, dim, "logsumexp", dtype)
+        coop = [(ln.kernel, ln.consts.get("PACK")) for ln in launches if "_coop_" in ln.kernel]
         assert coop == ([want] * 2 if kernel == "aligned" and pack else [])
 
 
@@ -507,31 +489,31 @@ def test_kernel_cooperative_layouts(kernels, monkeypatch, mode, dtype, shape, di
     ],
 )
 @pytest.mark.parametrize("mode", MODES)
-def test_kernel_aligned_rows(kernels, monkeypatch, mode, dtype, shape, cut, aligned):
+def test_kernel_aligned_rows(kernels, launches, mode, dtype, shape, cut, aligned):
     """Short rows off 16-byte boundaries, one per program, in 16-byte vectors and their ends element by
-    element (`_fwd_rows_aligned_kernel`), under the interpreter: -inf entries, all -inf rows, values
+    element (`fwd_rows_aligned_kernel`), under the interpreter: -inf entries, all -inf rows, values
     x100; rows on the boundaries, or with a base pointer off them, keep the row kernel."""
-    launches = spy_launches(monkeypatch, kernels)
-    monkeypatch.setitem(kernels.TUNING, "aligned_rows_min_cols", 1)  # (the small rows take it too)
     for scale in (3.0, 100.0):
         x = make_x(shape, -1, dtype, scale=scale, seed=31)
         x = x[..., cut:] if cut >= 0 else x[..., :cut]
-        judge_against("fwd", kernel_forward(kernels, mode, x, -1), x, -1, mode, dtype)
+        with kernels.config_override(aligned_rows_min_cols=1):  # (the small rows take it too)
+            judge_against("fwd", kernel_forward(kernels, mode, x, -1), x, -1, mode, dtype)
     aligned = aligned is True or (aligned == "lse" and mode == "logsumexp")
-    want = "_fwd_rows_aligned_kernel" if aligned else "_fwd_rows_kernel"
-    assert [name for name, _ in launches] == [want, want]
+    want = "fwd_rows_aligned_kernel" if aligned else "fwd_rows_kernel"
+    assert [ln.kernel for ln in launches] == [want, want]
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_kernel_aligned_rows_any_length_and_stride(data):
-    """`_fwd_rows_aligned_kernel` under the interpreter on drawn row counts, lengths (1-200) and row
+    """`fwd_rows_aligned_kernel` under the interpreter on drawn row counts, lengths (1-200) and row
     strides (rows start anywhere), x and the output alike strided: values against float64; rows whose
     length leaves them off the 16-byte boundaries must take it. float32 and fp16 only: the interpreter's
     float32 -> bf16 cast truncates where the GPU rounds to nearest, a whole bf16 ulp that the bound
     derived from PyTorch's own bf16 softmax does not allow on rows of a few elements (found here: a row
     of 2); bf16 runs compiled in `test_gpu_aligned_rows`."""
     from ringlse.kernels import softmax as ks
+    from ringlse.kernels.launch import recorded_launches
 
     dtype = data.draw(st.sampled_from([torch.float32, torch.float16]), "dtype")
     mode = data.draw(st.sampled_from(MODES), "mode")
@@ -539,38 +521,30 @@ def test_kernel_aligned_rows_any_length_and_stride(data):
     gap = data.draw(st.integers(0, 9), "gap")  # row stride = cols + gap
     x = make_x((rows, cols + gap), -1, dtype, scale=data.draw(st.sampled_from([1.0, 30.0]), "scale"),
                seed=data.draw(st.integers(0, 1 << 16), "seed"))[:, :cols]
-    launched = []
-    real_call, saved = ks.BoundLaunch.__call__, dict(ks.TUNING)
-    ks.BoundLaunch.__call__ = lambda bound, *free: launched.append(bound.kernel.fn.__name__) or real_call(bound, *free)
-    ks.TUNING["aligned_rows_min_cols"] = 1
-    try:
+    with recorded_launches() as launched, ks.config_override(aligned_rows_min_cols=1):
         if mode == "logsumexp":
             y = ks.logsumexp_forward(x)
         else:
             out = torch.full((rows, cols + gap), float("nan"), dtype=dtype)[:, :cols]
             y = ks.softmax_forward(x, log=mode == "log_softmax", out=out)
             assert y.data_ptr() == out.data_ptr()  # written in place, through the same strides
-    finally:
-        ks.BoundLaunch.__call__ = real_call
-        ks.TUNING.clear()
-        ks.TUNING.update(saved)
     judge_against("fwd", y, x, -1, mode, dtype)
     if cols * x.element_size() % 16:
-        assert launched == ["_fwd_rows_aligned_kernel"]
+        assert [ln.kernel for ln in launched] == ["fwd_rows_aligned_kernel"]
 
 
-def test_cooperative_launch_refused_takes_fewer_programs(kernels, monkeypatch):
-    """If the driver refuses a cooperative grid as too large, the launcher halves the programs
-    (remembering it; the backward's stay whole rows in flight) and, below one row's pieces, tells the
-    caller (whose call plan then takes another path); other errors propagate."""
-    monkeypatch.setattr(kernels, "_coop_plan", lambda R, N, device, which, itemsize, tier="": None if tier else (2, 4, 1, None))
-    monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: 15)
-    monkeypatch.setattr(kernels, "_COOP_CAP", {})
+def test_cooperative_launch_refused_takes_fewer_programs():
+    """Where the driver refuses a cooperative grid as too large, the launch (`coop_launch.CoopGrid`)
+    halves its programs (a whole number of rows in flight unless the kernel takes tasks) and remembers
+    the count for the next launch of that plan; below one row's K programs it reports that it ran
+    nothing (the call plan is then built again and avoids the grid); other errors propagate."""
+    from ringlse.kernels.launch import FREE
+    from ringlse.kernels.softmax.coop_launch import CoopGrid
+
     grids = []
 
-    class FakeKernel:
-        def __init__(self, real, limit, message="Triton Error [CUDA]: too many blocks in cooperative launch"):
-            self.fn, self.arg_names = real.fn, real.arg_names
+    class FakeKernel:  # (not a JITFunction: launched through `kernel[grid](...)`, Triton's path)
+        def __init__(self, limit, message="Triton Error [CUDA]: too many blocks in cooperative launch"):
             self.limit, self.message = limit, message
 
         def __getitem__(self, grid):
@@ -580,55 +554,49 @@ def test_cooperative_launch_refused_takes_fewer_programs(kernels, monkeypatch):
                     raise RuntimeError(self.message)
             return run
 
+    caps: dict = {}
     x, y = torch.zeros(16, 8), torch.zeros(16, 8)
-    strides = (8, 0, 1, 8, 0, 1)
 
-    def launch(kernel, which="fwd", mode=0):
-        chosen = kernels._coop_choose(kernel, which, (x, y), 16, 8, 1, strides, {"MODE": mode}, 1)
-        return kernels._coop_launch(kernel, (x, y), 16, 8, 1, strides, chosen, {})
+    def grid(limit, programs=15, tasks=True, key="fwd", message=None):  # rows of K = 2 pieces
+        kernel = FakeKernel(limit) if message is None else FakeKernel(limit, message)
+        return CoopGrid(kernel, (FREE, FREE, 16), programs, 2, tasks, 1, {"MODE": 0}, key, caps)
 
-    fwd, bwd = kernels._fwd_coop_kernel, kernels._bwd_coop_kernel
-    monkeypatch.setitem(kernels.TUNING, "coop_tasks_fwd", 2)
-    assert launch(FakeKernel(fwd, 6))
-    assert grids == [15, 7, 3]  # the forward takes any number of programs (here of 2 pieces a row)
-    assert list(kernels._COOP_CAP.values()) == [3]
+    assert grid(6)(x, y)
+    assert grids == [15, 7, 3] and caps == {"fwd": 3}  # tasks: any number of programs
     grids.clear()
-    assert launch(FakeKernel(fwd, 6))
+    assert grid(6)(x, y)
     assert grids == [3]  # straight to the remembered count
     grids.clear()
-    assert not launch(FakeKernel(fwd, 0))
+    assert not grid(0)(x, y)
     assert grids == [3]  # then 1 program, too few for a row of 2 pieces: nothing launched
-    assert kernels._coop_step(FakeKernel(fwd, 0), "fwd", (x, y), 16, 8, 1, strides, {"MODE": 0}) is None  # (cap 1)
+    assert grid(0).most_programs() < 2  # (such a plan is not built: `coop_step` returns None)
     grids.clear()
-    assert launch(FakeKernel(bwd, 6), "bwd")
-    assert grids == [14, 6]  # the backward: whole rows in flight, 7 then 3
-    grids.clear()
-    monkeypatch.setitem(kernels.TUNING, "coop_tasks_fwd", 0)
-    assert launch(FakeKernel(fwd, 6))
-    assert grids == [14, 6]  # so is the forward without tasks
+    assert grid(6, programs=14, tasks=False, key="bwd")(x, y)
+    assert grids == [14, 6]  # whole rows in flight: 7 then 3
     with pytest.raises(RuntimeError, match="out of memory"):
-        launch(FakeKernel(fwd, 0, "CUDA out of memory"), mode=1)
+        grid(0, programs=14, tasks=False, key="oom", message="CUDA out of memory")(x, y)
 
 
-@pytest.mark.parametrize("R, K, resident, mode, knob, want", [
-    pytest.param(512, 64, 1584, 0, 1, True, id="512x64-fewer-steps"),  # 24 rows a step: 22 steps; tasks: 21
-    pytest.param(1300, 25, 1584, 0, 1, False, id="1300x25-as-many"),  # 63 rows: 21 steps; tasks: 21
-    pytest.param(1300, 25, 1584, 2, 1, True, id="1300x25-logsumexp"),  # piece 0 waits: its role rotates
-    pytest.param(512, 64, 1584, 0, 0, False, id="knob-0"),
-    pytest.param(1300, 25, 1584, 0, 2, True, id="knob-2"),
-    pytest.param(10, 4, 6, 0, 1, True, id="one-row-in-flight"),  # 1 row a step: 10 steps; tasks: 7
+@pytest.mark.parametrize("R, K, resident, logsumexp, want", [
+    pytest.param(512, 64, 1584, False, True, id="512x64-fewer-steps"),  # 24 rows a step: 22 steps; tasks: 21
+    pytest.param(1300, 25, 1584, False, False, id="1300x25-as-many"),  # 63 rows: 21 steps; tasks: 21
+    pytest.param(1300, 25, 1584, True, True, id="1300x25-logsumexp"),  # piece 0 waits: its role rotates
+    pytest.param(10, 4, 6, False, True, id="one-row-in-flight"),  # 1 row a step: 10 steps; tasks: 7
 ])
-def test_tasks_grid_where_it_takes_fewer_steps(kernels, monkeypatch, R, K, resident, mode, knob, want):
+def test_tasks_where_they_take_fewer_steps(R, K, resident, logsumexp, want):
     """The forward takes its tasks in turn over every resident program where that takes fewer steps
-    than whole rows in flight, and always for logsumexp (MODE 2), unless the knob says otherwise."""
-    monkeypatch.setitem(kernels.TUNING, "coop_tasks_fwd", knob)
-    monkeypatch.setattr(kernels, "_coop_grid", lambda kernel, args, consts, warps, R, K, device: min(R * K, resident))
-    assert kernels._tasks_grid(kernels._fwd_coop_aligned_kernel, (), {"MODE": mode}, 1, R, K, None) is want
+    than whole rows in flight, and always for logsumexp (MODE 2)."""
+    from ringlse.kernels.softmax.coop_launch import use_tasks
+
+    assert use_tasks(R, K, lambda tasks: min(R * K, resident), logsumexp) is want
 
 
-def test_call_plan_built_again_after_refused_launch(kernels):
-    """A plan whose cooperative launch was refused outright (`_Replan`) is dropped and built again
+def test_call_plan_built_again_after_refused_launch():
+    """A plan whose cooperative launch was refused outright (`Replan`) is dropped and built again
     (the new one avoids that grid); the plan that worked is kept for the next call of the key."""
+    from ringlse.kernels.softmax.coop_launch import Replan
+    from ringlse.kernels.softmax.plan import PlanCache
+
     builds, runs = [], []
 
     def build(v):
@@ -638,38 +606,40 @@ def test_call_plan_built_again_after_refused_launch(kernels):
         def plan(v):
             runs.append(n)
             if n == 1:
-                raise kernels._Replan
+                raise Replan
             return v * 10
 
         return plan
 
+    cache = PlanCache()
     key = ("test", "refused")
-    assert kernels._planned(key, build, 3) == 30
+    assert cache.run(key, build, 3) == 30
     assert builds == [3, 3] and runs == [1, 2]
-    assert kernels._planned(key, build, 4) == 40
-    assert builds == [3, 3] and runs == [1, 2, 2]
+    assert cache.run(key, build, 4) == 40
+    assert builds == [3, 3] and runs == [1, 2, 2] and len(cache) == 1
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_call_plans_follow_layout_and_alignment(kernels, monkeypatch, dtype):
+def test_call_plans_follow_layout_and_alignment(kernels, launches, dtype):
     """One plan per layout: tensors of one shape and strides whose data sit on and off 16-byte
-    boundaries take different kernels (whichever comes first), and a knob change takes effect at the
+    boundaries take different kernels (whichever comes first), and a config change takes effect at the
     next call; every result against float64."""
-    monkeypatch.setitem(kernels.TUNING, "aligned_rows_min_cols", 1)
-    launches = spy_launches(monkeypatch, kernels)
+    from ringlse.kernels.softmax.plan import CALL_PLANS
+
     flat = make_x((5, 46), -1, dtype, scale=3.0, seed=31).reshape(-1)
     # rows of 45: off the boundaries; `off` starts 1 element past one (the output rows are fresh)
     on, off = flat[:225].reshape(5, 45), flat[1:226].reshape(5, 45)
-    for x in (on, off, on, off):
-        launches.clear()
-        judge_against("fwd", kernels.softmax_forward(x), x, -1, "softmax", dtype)
-        want = "_fwd_rows_aligned_kernel" if x.data_ptr() % 16 == 0 else "_fwd_rows_kernel"
-        assert [name for name, _ in launches] == [want]
-    assert len(kernels._CALL_PLANS) == 2
-    monkeypatch.setitem(kernels.TUNING, "aligned_rows", 0)
-    launches.clear()
+    CALL_PLANS.clear()
+    with kernels.config_override(aligned_rows_min_cols=1):
+        for x in (on, off, on, off):
+            launches.clear()
+            judge_against("fwd", kernels.softmax_forward(x), x, -1, "softmax", dtype)
+            want = "fwd_rows_aligned_kernel" if x.data_ptr() % 16 == 0 else "fwd_rows_kernel"
+            assert [ln.kernel for ln in launches] == [want]
+    assert len(CALL_PLANS) == 2
+    launches.clear()  # the default config again: rows of 45 (< `aligned_rows_min_cols`) take the row kernel
     judge_against("fwd", kernels.softmax_forward(on), on, -1, "softmax", dtype)
-    assert [name for name, _ in launches] == ["_fwd_rows_kernel"]
+    assert [ln.kernel for ln in launches] == ["fwd_rows_kernel"]
 
 
 def test_call_plans_hold_no_tensor(kernels):
@@ -677,6 +647,9 @@ def test_call_plans_hold_no_tensor(kernels):
     import gc
     import weakref
 
+    from ringlse.kernels.softmax.plan import CALL_PLANS
+
+    CALL_PLANS.clear()
     x = torch.randn(6, 40, 3).movedim(1, 2)  # (a view whose rows are columns of the storage)
     g = torch.randn(6, 3, 40)
     y = kernels.softmax_forward(x)
@@ -686,8 +659,30 @@ def test_call_plans_hold_no_tensor(kernels):
     refs = [weakref.ref(t) for t in (x, g, y, dx, lse, dl)]
     del x, g, y, dx, lse, dl
     gc.collect()
-    assert len(kernels._CALL_PLANS) == 4
+    assert len(CALL_PLANS) == 4
     assert all(r() is None for r in refs)
+
+
+def test_config_override_is_scoped_and_checked(kernels):
+    """`config_override` replaces fields for its block only (nested blocks too) and refuses unknown
+    names; the config is frozen."""
+    import dataclasses
+
+    base = kernels.active_config()
+    assert base is kernels.CONFIG
+    with kernels.config_override(max_row_block=64) as outer:
+        assert kernels.active_config() is outer and outer.max_row_block == 64
+        with kernels.config_override(chunk=32) as inner:
+            assert (inner.max_row_block, inner.chunk) == (64, 32)
+        assert kernels.active_config() is outer
+    assert kernels.active_config() is base and base.max_row_block == 32768
+    with pytest.raises(TypeError):
+        with kernels.config_override(lookback_fwd=1):  # (a deleted knob)
+            pass
+    assert kernels.active_config() is base
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.max_row_block = 1
+    assert hash(dataclasses.replace(base)) == hash(base) and dataclasses.replace(base) == base
 
 
 @pytest.mark.parametrize(
@@ -901,12 +896,40 @@ def test_bound_launch_call_protocol(monkeypatch):
     assert seen == [(plain, (3,), (16, 5), {"num_warps": 4, "B": 8, "C": True})] and not plain.calls
 
 
+def test_fast_path_only_on_the_triton_it_knows(monkeypatch):
+    """The fast paths call Triton 3.6's launcher internals, so they are on for 3.6 only (`FAST_PATH`);
+    with them off (another Triton, forced here) a `BoundLaunch` is Triton's own `kernel[grid](...)`,
+    through the same interface and with the same arguments."""
+    from ringlse.kernels import launch as kl
+
+    assert kl.fast_path_supported("3.6.0") and kl.fast_path_supported("3.6.1+git1a2b3c")
+    assert not any(map(kl.fast_path_supported, ("3.5.1", "3.7.0", "4.6.0", "36.0", "dev")))
+    import triton
+
+    assert kl.FAST_PATH == kl.fast_path_supported(triton.__version__)
+    monkeypatch.setattr(kl, "_CACHE", {})
+    monkeypatch.setattr(kl, "_JITFunction", _FakeBoundKernel)
+    monkeypatch.setattr(kl, "_STREAM_GETTER", lambda index: 1000 + index)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    k = _FakeBoundKernel()
+    go = kl.BoundLaunch(k, (4,), 7, kl.FREE, num_warps=4, B=8, C=True)
+    go(32)
+    assert k.calls[-1][0] == "c"  # (the fast path, where it is on)
+    monkeypatch.setattr(kl, "FAST_PATH", False)
+    go(32)
+    kl.launch(k, (2,), 9, 16, num_warps=4, B=8, C=True)
+    assert k.calls[-2:] == [("slow", (4,), (7, 32), {"num_warps": 4, "B": 8, "C": True}),
+                            ("slow", (2,), (9, 16), {"num_warps": 4, "B": 8, "C": True})]
+
+
 def test_launch_takes_tritons_path_when_it_must(kernels, monkeypatch):
     from triton.knobs import HookChain
 
     from ringlse.kernels import launch as kl
 
-    assert not kl._fast_path_on(kernels._fwd_rows_kernel)  # the interpreter (these CPU tests)
+    from ringlse.kernels.softmax.row_kernels import fwd_rows_kernel
+
+    assert not kl._fast_path_on(fwd_rows_kernel)  # the interpreter (these CPU tests)
     assert kl._hook_idle(None) and kl._hook_idle(HookChain())
     hook = HookChain()
     hook.add(lambda metadata: None)
@@ -946,23 +969,22 @@ def test_kernel_log_bmm(lbmm, dims, dtype, scale):
 
 
 @pytest.mark.parametrize("knobs", [
-    {"bwd_dot": 0},  # the exact kernel alone
-    {"bwd_dot": 1, "dot_min_tiles": 1, "dot_bx": 16, "dot_by": 16, "dot_bs": 8},  # wide tiles redone exactly
-    {"bwd_dot": 1, "dot_min_tiles": 1, "dot_max_shift": -1e9},  # every tile redone exactly
-    {"bwd_dot": 1, "dot_min_tiles": 1, "dot_max_shift": 1e9},  # factored wherever W stays finite
-    {"bwd_dot": 1, "dot_min_tiles": 1 << 30},  # too few tiles: the exact kernel alone
+    {"dot_min_tiles": 1 << 62},  # the exact kernel alone
+    {"dot_min_tiles": 1, "dot_bx": 16, "dot_by": 16, "dot_bs": 8},  # wide tiles redone exactly
+    {"dot_min_tiles": 1, "dot_max_shift": -1e9},  # every tile redone exactly
+    {"dot_min_tiles": 1, "dot_max_shift": 1e9},  # factored wherever W stays finite
+    {"dot_min_tiles": 1 << 30},  # too few tiles: the exact kernel alone
 ], ids=["exact", "mixed", "all-exact", "all-factored", "few-tiles"])
-def test_kernel_log_bmm_backward_paths(lbmm, monkeypatch, knobs):
+def test_kernel_log_bmm_backward_paths(lbmm, knobs):
     """The factored backward (tile-local maxima, a float32 matmul) and its exact fallback per tile:
     one half of the inputs spread over hundreds (those tiles fall back), the other over a few units."""
-    for key, value in knobs.items():
-        monkeypatch.setitem(lbmm.TUNING, key, value)
     a, b = make_ab(2, 40, 50, 36, torch.float32, scale=2.0, seed=12)
     a[:, 20:] *= 100.0
     b[:, :, 18:] *= 100.0
-    out = lbmm.log_bmm_forward(a, b)
-    g = torch.randn(out.shape)
-    ga, gb = lbmm.log_bmm_backward(a, b, out, g)
+    with lbmm.config_override(**knobs):
+        out = lbmm.log_bmm_forward(a, b)
+        g = torch.randn(out.shape)
+        ga, gb = lbmm.log_bmm_backward(a, b, out, g)
     _, ra, rb = log_bmm_ref(a, b, g)
     assert_judged("grad_a", ga, ra, None, torch.float32)
     assert_judged("grad_b", gb, rb, None, torch.float32)
@@ -993,7 +1015,7 @@ GPU_CASES = [  # rows, cols, dtypes: every size in bf16, a spread in fp32 and fp
     (33, 97, (BF16, FP16, FP32)),
     (2000, 300, (FP32,)),  # many short rows: several rows per program in a small tile
     (16, 4097, (BF16, FP32)),
-    # rows off 16-byte boundaries: in 16-byte vectors, one row per program (`_fwd_rows_aligned_kernel`),
+    # rows off 16-byte boundaries: in 16-byte vectors, one row per program (`fwd_rows_aligned_kernel`),
     # the backward's cooperative pieces
     (257, 1025, (BF16,)),
     (100, 4097, (BF16, FP16, FP32)),
@@ -1054,27 +1076,25 @@ COOP_CASES = [  # rows, cols, dim, dtype: pieces of a row in registers, merged a
 @pytest.mark.parametrize("piece,warps", [(1024, 2), (2048, 4), (4096, 8)], ids=lambda v: str(v))
 @pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
 @pytest.mark.parametrize("rows,cols,dim,dtype", COOP_CASES)
-def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, piece, warps):
+def test_gpu_cooperative_long_rows(launches, rows, cols, dim, dtype, mode, piece, warps):
     from ringlse.kernels import softmax as ks
 
-    knobs = {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "coop_max_pieces": 1 << 20, "coop_min_rows": 1,
-             "lookback_fwd": 0}
+    knobs = {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "coop_max_pieces": 1 << 20,
+             "coop_min_rows": 1}
     for which in ("fwd", "bwd"):
-        knobs.update({f"coop_{which}": 1, f"coop_piece_{which}": piece, f"coop_warps_{which}": warps,
+        knobs.update({f"coop_piece_{which}": piece, f"coop_warps_{which}": warps,
                       f"coop_piece_{which}_16": piece, f"coop_warps_{which}_16": warps})
-    for key, value in knobs.items():
-        monkeypatch.setitem(ks.TUNING, key, value)
-    launches = spy_launches(monkeypatch, ks)
     shape = (rows, cols) if dim == -1 else (cols, rows)
     x = make_x(shape, dim, dtype, scale=3.0, seed=16, device="cuda")  # with all -inf rows
-    y = ks.softmax_forward(x, dim, log=mode == "log_softmax")
-    # the cooperative kernel ran (the grid fits the GPU), alone
-    assert [name[:10] for name, _ in launches] == ["_fwd_coop_"]
-    assert not torch.isnan(y).any()
-    judge_against("fwd", y, x, dim, mode, dtype)
     g = torch.randn(x.shape, device="cuda", dtype=F64).to(dtype)
-    dx = ks.softmax_backward(y, g, dim, log=mode == "log_softmax")
-    assert [name[:10] for name, _ in launches] == ["_fwd_coop_", "_bwd_coop_"]
+    with ks.config_override(**knobs):
+        y = ks.softmax_forward(x, dim, log=mode == "log_softmax")
+        # the cooperative kernel ran (the grid fits the GPU), alone
+        assert [ln.kernel[:9] for ln in launches] == ["fwd_coop_"]
+        assert not torch.isnan(y).any()
+        judge_against("fwd", y, x, dim, mode, dtype)
+        dx = ks.softmax_backward(y, g, dim, log=mode == "log_softmax")
+    assert [ln.kernel[:9] for ln in launches] == ["fwd_coop_", "bwd_coop_"]
     assert not torch.isnan(dx).any()
     judge_against("dx", dx, x, dim, mode, dtype, g=g)
 
@@ -1082,30 +1102,24 @@ def test_gpu_cooperative_long_rows(monkeypatch, rows, cols, dim, dtype, mode, pi
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale", [3.0, 30.0], ids=["x3", "x30"])
 @pytest.mark.parametrize("rows,cols,kernel", [
-    pytest.param(64, 65536, "_fwd_coop_kernel", id="64x65536-pairs"),
-    pytest.param(65, 50257, "_fwd_coop_aligned_kernel", id="65x50257-aligned"),
+    pytest.param(64, 65536, "fwd_coop_kernel", id="64x65536-pairs"),
+    pytest.param(65, 50257, "fwd_coop_aligned_kernel", id="65x50257-aligned"),
 ])
-def test_gpu_bf16_softmax_from_kept_exps(monkeypatch, rows, cols, kernel, scale):
-    """The bf16 cooperative softmax that keeps each piece's exps as fp16 words (EXPS, `_piece_exps`):
-    besides the absolute bound every output is judged by, each output of at least 2^-29 of its piece's
-    largest keeps its relative error within 2^-8 + 2^-10 (the bf16 rounding, 2^-8, and the exps' fp16
-    rounding, 2^-11, with room), and the knob off stays within the rounding alone (2^-8, and 2^-12
-    for the exps' own error)."""
+def test_gpu_bf16_softmax_rounded_once(launches, rows, cols, kernel, scale):
+    """The bf16 cooperative softmax rounds each output once, from float32: besides the absolute bound
+    every output is judged by, each output of at least 2^-29 of its row's largest keeps its relative
+    error within the bf16 rounding (2^-8) and the float32 arithmetic's (2^-12, with room)."""
     from ringlse.kernels import softmax as ks
 
-    launches = spy_launches(monkeypatch, ks)
     x = make_x((rows, cols), -1, torch.bfloat16, scale=scale, seed=24, device="cuda")
     ref = softmax_math(x.double(), -1, "softmax")
-    tiny = ref.amax(-1, keepdim=True) * 2.0**-29  # (a piece's largest is at most its row's)
+    tiny = ref.amax(-1, keepdim=True) * 2.0**-29
     judged = (ref > 2.0**-100) & (ref >= tiny)
-    for exps, bound in ((1, 2.0**-8 + 2.0**-10), (0, 2.0**-8 + 2.0**-12)):
-        monkeypatch.setitem(ks.TUNING, "coop_exps_16", exps)
-        launches.clear()
-        y = ks.softmax_forward(x)
-        judge_against("fwd", y, x, -1, "softmax", torch.bfloat16)
-        rel = ((y.double() - ref).abs() / ref)[judged]
-        assert rel.max().item() <= bound, (exps, rel.max().item())
-        assert [(name, kw.get("EXPS")) for name, kw in launches] == [(kernel, bool(exps))]
+    y = ks.softmax_forward(x)
+    judge_against("fwd", y, x, -1, "softmax", torch.bfloat16)
+    rel = ((y.double() - ref).abs() / ref)[judged]
+    assert rel.max().item() <= 2.0**-8 + 2.0**-12, rel.max().item()
+    assert [ln.kernel for ln in launches] == [kernel]
 
 
 STRADDLE_CASES = [  # rows, cols, dim, dtype, the modes that take the cooperative forward there
@@ -1120,39 +1134,41 @@ STRADDLE_CASES = [  # rows, cols, dim, dtype, the modes that take the cooperativ
 @pytest.mark.gpu
 @pytest.mark.parametrize("extra", [3, -1], ids=["K+3", "2K-1"])
 @pytest.mark.parametrize("rows,cols,dim,dtype,modes", STRADDLE_CASES)
-def test_gpu_cooperative_tasks_straddle_steps(monkeypatch, rows, cols, dim, dtype, modes, extra):
+def test_gpu_cooperative_tasks_straddle_steps(launches, rows, cols, dim, dtype, modes, extra):
     """The cooperative forward with a grid that is no whole number of rows (K + 3 or 2K - 1 programs
-    for K pieces a row): rows straddle two steps and a program's piece changes from task to task
-    (`_next_task`). Right (all -inf rows included), and bit for bit the default grid's output."""
+    for K pieces a row, `coop_max_programs`): rows straddle two steps and a program's piece changes from
+    task to task (`next_task`). Right (all -inf rows included), and bit for bit the default grid's
+    output."""
     from ringlse.kernels import softmax as ks
 
     knobs = {"max_row_block": 16, "max_row_block_16": 16, "coop_max_pieces": 1 << 20, "coop_min_rows": 1,
-             "lookback_fwd": 0, "aligned_rows": 0, "coop_piece_fwd": 2048, "coop_warps_fwd": 2,
+             "coop_piece_fwd": 2048, "coop_warps_fwd": 2,
              "coop_piece_fwd_16": 2048, "coop_warps_fwd_16": 1, "coop_min_pieces_fwd_16": 0,
-             "coop_min_slots": 1,  # (one row in flight is enough: no "_long" plan is tried)
-             "coop_tasks_fwd": 2}
-    for key, value in knobs.items():
-        monkeypatch.setitem(ks.TUNING, key, value)
+             "coop_min_slots": 1}  # (one row in flight is enough: no "_long" plan is tried)
     shape = (rows, cols) if dim == -1 else (cols, rows)
     x = make_x(shape, dim, dtype, scale=3.0, seed=24, device="cuda")
-    want = [kernel_forward(ks, mode, x, dim) for mode in modes]
-    grids = []
-    real = ks._coop_grid
-
-    def few(kernel, args, consts, warps, R, K, device):
-        grids.append((real(kernel, args, consts, warps, R, K, device), K))
-        return K + extra if extra > 0 else 2 * K + extra
-
-    monkeypatch.setattr(ks, "_coop_grid", few)
-    ks._CALL_PLANS.clear()
-    launches = spy_launches(monkeypatch, ks)
-    for mode, w in zip(modes, want):
-        got = kernel_forward(ks, mode, x, dim)
-        assert launches[-1][0].startswith("_fwd_coop_") and launches[-1][1]["TASKS"]
-        full, K = grids[-1]
-        assert K > 2 and full >= 2 * K and rows * K > 4 * (K + 3), (full, K)  # many steps, each of a part row
-        judge_against("lse" if mode == "logsumexp" else "fwd", got, x, dim, mode, dtype)
-        assert torch.equal(got, w)
+    # K: the columns a row's pieces hold (a row off the 16-byte boundaries: its whole vectors) over
+    # pieces of 2048 columns
+    held = cols
+    if dim == -1 and cols * x.element_size() % 16:
+        vec = 16 // x.element_size()
+        held = cols // vec * vec
+    K = -(-held // 2048)
+    programs = K + extra if extra > 0 else 2 * K + extra
+    assert K > 2 and rows * K > 4 * (K + 3), K  # many steps, each of a part row
+    with ks.config_override(**knobs):
+        want = [kernel_forward(ks, mode, x, dim) for mode in modes]
+        whole = [ln for ln in launches if ln.kernel.startswith("fwd_coop_")]
+        assert len(whole) == len(modes) and all(ln.grid[0] >= 2 * K for ln in whole)  # the GPU holds 2 rows
+    launches.clear()
+    with ks.config_override(**knobs, coop_max_programs=programs):
+        for mode, w in zip(modes, want):
+            got = kernel_forward(ks, mode, x, dim)
+            last = launches[-1]
+            assert last.kernel.startswith("fwd_coop_") and last.consts["TASKS"] and last.grid == (programs,)
+            assert last.consts["KB"] == 1 << (K - 1).bit_length()
+            judge_against("lse" if mode == "logsumexp" else "fwd", got, x, dim, mode, dtype)
+            assert torch.equal(got, w)
     assert len(launches) == len(modes)
 
 
@@ -1163,22 +1179,17 @@ def test_gpu_cooperative_tasks_straddle_steps(monkeypatch, rows, cols, dim, dtyp
     pytest.param(130, 50257, torch.float16, id="130x50257-fp16"),
     pytest.param(97, 65537, torch.float32, id="97x65537-fp32"),
 ])
-def test_gpu_aligned_forward_l2_ahead(monkeypatch, rows, cols, dtype, mode):
-    """The aligned cooperative forward asks L2 for the row after the one it loads (sm_90 on): its
-    output is bit for bit the one without the prefetch, and right (all -inf rows included)."""
+def test_gpu_aligned_forward_l2_ahead(launches, rows, cols, dtype, mode):
+    """The aligned cooperative forward asks L2 for the row after the one it loads (sm_90 on): right
+    (all -inf rows included)."""
     from ringlse.kernels import softmax as ks
 
-    for key, value in {"aligned_rows": 0, "coop_min_rows": 1, "coop_max_pieces": 1 << 20}.items():
-        monkeypatch.setitem(ks.TUNING, key, value)
-    launches = spy_launches(monkeypatch, ks)
     x = make_x((rows, cols), -1, dtype, scale=3.0, seed=20, device="cuda")
-    y = kernel_forward(ks, mode, x, -1)
-    assert [name for name, _ in launches] == ["_fwd_coop_aligned_kernel"]
-    assert launches[0][1]["L2_AHEAD"] == (torch.cuda.get_device_capability() >= (9, 0))
+    with ks.config_override(coop_min_rows=1, coop_max_pieces=1 << 20):
+        y = kernel_forward(ks, mode, x, -1)
+    assert [ln.kernel for ln in launches] == ["fwd_coop_aligned_kernel"]
+    assert launches[0].consts["L2_AHEAD"] == (torch.cuda.get_device_capability() >= (9, 0))
     judge_against("fwd", y, x, -1, mode, dtype)
-    monkeypatch.setitem(ks.TUNING, "coop_l2_ahead", 0)
-    assert torch.equal(kernel_forward(ks, mode, x, -1), y)
-    assert launches[1][1]["L2_AHEAD"] is False
 
 
 @pytest.mark.gpu
@@ -1188,18 +1199,17 @@ def test_gpu_aligned_forward_l2_ahead(monkeypatch, rows, cols, dtype, mode):
     pytest.param(65, 40001, torch.bfloat16, id="65x40001-bf16"),
     pytest.param(100, 50257, torch.float16, id="100x50257-fp16"),
 ])
-def test_gpu_logsumexp_aligned_pieces(monkeypatch, rows, cols, dtype, piece, warps):
+def test_gpu_logsumexp_aligned_pieces(launches, rows, cols, dtype, piece, warps):
     """2-byte logsumexp of rows off the boundaries in the aligned forward (MODE 2), rows cut into
     several pieces whose words piece 0 merges while the others go on; all -inf rows included."""
     from ringlse.kernels import softmax as ks
 
-    for key, value in {"aligned_rows": 0, "coop_min_rows": 1, "coop_max_pieces": 1 << 20, "coop_piece_fwd_16": piece,
-                       "coop_warps_fwd_16": warps, "coop_min_pieces_fwd_16": 0, "coop_min_fill": 0.0}.items():
-        monkeypatch.setitem(ks.TUNING, key, value)
-    launches = spy_launches(monkeypatch, ks)
+    knobs = {"max_row_block": 16, "max_row_block_16": 16, "coop_min_rows": 1, "coop_max_pieces": 1 << 20,
+             "coop_piece_fwd_16": piece, "coop_warps_fwd_16": warps, "coop_min_pieces_fwd_16": 0, "coop_min_fill": 0.0}
     x = make_x((rows, cols), -1, dtype, scale=3.0, seed=18, device="cuda")
-    lse = kernel_forward(ks, "logsumexp", x, -1)
-    assert [name for name, _ in launches] == ["_fwd_coop_aligned_kernel"]
+    with ks.config_override(**knobs):
+        lse = kernel_forward(ks, "logsumexp", x, -1)
+    assert [ln.kernel for ln in launches] == ["fwd_coop_aligned_kernel"]
     judge_against("lse", lse, x, -1, "logsumexp", dtype)
 
 
@@ -1211,24 +1221,23 @@ def test_gpu_logsumexp_aligned_pieces(monkeypatch, rows, cols, dtype, piece, war
     pytest.param(64, 16383, torch.bfloat16, id="64x16383-bf16"),  # the widest 2-byte block
     pytest.param(33, 32767, torch.float32, id="33x32767-fp32"),  # the widest block
 ])
-def test_gpu_aligned_rows(monkeypatch, rows, cols, dtype, mode):
+def test_gpu_aligned_rows(launches, rows, cols, dtype, mode):
     """Short rows off 16-byte boundaries compiled, one per program in 16-byte vectors
-    (`_fwd_rows_aligned_kernel`): every width of block the launcher picks up to the row kernels'
+    (`fwd_rows_aligned_kernel`): every width of block the launcher picks up to the row kernels'
     limits, all -inf rows included."""
     from ringlse.kernels import softmax as ks
 
-    launches = spy_launches(monkeypatch, ks)
     x = make_x((rows, cols), -1, dtype, scale=3.0, seed=19, device="cuda")
     judge_against("fwd", kernel_forward(ks, mode, x, -1), x, -1, mode, dtype)
-    assert [name for name, _ in launches] == ["_fwd_rows_aligned_kernel"]
+    assert [ln.kernel for ln in launches] == ["fwd_rows_aligned_kernel"]
 
 
 @pytest.mark.gpu
 def test_gpu_occupancy_rules_match_driver():
     """The occupancy rules give the driver's count for the cooperative kernels as compiled (several
     warps and register caps), so the fallback, where the driver cannot be asked, sizes grids the same."""
-    from ringlse.kernels import softmax as ks
     from ringlse.kernels.occupancy import blocks_per_sm_by_driver, blocks_per_sm_by_rules
+    from ringlse.kernels.softmax.coop_kernels import fwd_coop_kernel
 
     x = torch.zeros(64, 8192, device="cuda", dtype=torch.bfloat16)
     words = torch.full((64, 4), -1, dtype=torch.int64, device="cuda")
@@ -1240,7 +1249,7 @@ def test_gpu_occupancy_rules_match_driver():
         if nreg:
             consts["maxnreg"] = nreg
         args = (x, x, words, words, 3, 64, 4096 if pack else 8192, 1, 8192, 0, 1, 8192, 0, 1, 4)
-        compiled = ks._fwd_coop_kernel.warmup(*args, grid=(1,), num_warps=warps, **consts)
+        compiled = fwd_coop_kernel.warmup(*args, grid=(1,), num_warps=warps, **consts)
         compiled._init_handles()
         driver = blocks_per_sm_by_driver(compiled.function, warps, compiled.metadata.shared)
         assert driver is not None
@@ -1254,30 +1263,29 @@ def test_gpu_occupancy_rules_match_driver():
 
 
 @pytest.mark.gpu
-def test_gpu_cooperative_long_tier_for_rows_that_fit_once(monkeypatch):
-    """Rows of a million float32 columns: the default pieces fit one row in flight, so the launcher
-    takes the "_long" plan (4096-column pieces capped at 128 registers: two rows in flight)."""
+def test_gpu_cooperative_long_tier_for_rows_that_fit_once(launches):
+    """Rows of a million float32 columns: the first plan's pieces fit fewer than two rows in flight (seen
+    with the "_long" plan off), so the launcher takes the "_long" plan (4096-column pieces capped at 128
+    registers: two rows in flight)."""
     from ringlse.kernels import softmax as ks
 
-    monkeypatch.setitem(ks.TUNING, "coop_min_rows", 1)
-    chosen = []
-    real = ks._coop_grid
-
-    def spy(kernel, args, consts, warps, R, K, device):
-        programs = real(kernel, args, consts, warps, R, K, device)
-        chosen.append((consts["PIECE"], programs // K))  # rows in flight
-        return programs
-
-    monkeypatch.setattr(ks, "_coop_grid", spy)
     x = make_x((8, 1 << 20), -1, torch.float32, scale=3.0, seed=19, device="cuda")
-    y = ks.softmax_forward(x, -1)
-    assert chosen[0][1] < 2 and chosen[-1][0] == 4096 and chosen[-1][1] >= 2, chosen
+    rows_in_flight = lambda ln: ln.grid[0] // -(-(1 << 20) // ln.consts["PIECE"])  # noqa: E731
+    with ks.config_override(coop_min_rows=1, coop_piece_fwd_long=None):  # (no "_long" plan: the first alone)
+        ks.softmax_forward(x, -1)
+    first = launches[-1]
+    # fewer than two rows in flight (none: the cooperative kernel did not fit, the two-pass kernels ran)
+    assert first.kernel != "fwd_coop_kernel" or (first.consts["PIECE"] < 4096 and rows_in_flight(first) < 2), first
+    with ks.config_override(coop_min_rows=1):
+        y = ks.softmax_forward(x, -1)
+    last = launches[-1]
+    assert last.consts["PIECE"] == 4096 and last.consts["maxnreg"] == 128 and rows_in_flight(last) >= 2, last
     judge_against("fwd", y, x, -1, "softmax", torch.float32)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gpu_cooperative_longer_pieces_for_long_rows(monkeypatch, dtype):
+def test_gpu_cooperative_longer_pieces_for_long_rows(launches, dtype):
     """A row of more than `coop_max_pieces` pieces takes longer pieces (here 1024 columns x 40 pieces
     -> 8192 x 5 on 8 warps), through the default launch path."""
     from ringlse.kernels import softmax as ks
@@ -1285,17 +1293,19 @@ def test_gpu_cooperative_longer_pieces_for_long_rows(monkeypatch, dtype):
     knobs = {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "coop_max_pieces": 8, "coop_min_rows": 1}
     for which, half in (("fwd", ""), ("fwd", "_16"), ("bwd", ""), ("bwd", "_16")):
         knobs.update({f"coop_piece_{which}{half}": 1024, f"coop_warps_{which}{half}": 2})
-    for key, value in knobs.items():
-        monkeypatch.setitem(ks.TUNING, key, value)
-    assert ks._coop_plan(70, 40001, torch.device("cuda"), "fwd", 4)[:3] == (5, 8192, 8)
-    launches = spy_launches(monkeypatch, ks)
     x = make_x((70, 40001), -1, dtype, scale=3.0, seed=18, device="cuda")
-    for mode in ("softmax", "log_softmax"):
-        y = ks.softmax_forward(x, -1, log=mode == "log_softmax")
-        judge_against("fwd", y, x, -1, mode, dtype)
-        g = torch.randn(x.shape, device="cuda", dtype=F64).to(dtype)
-        judge_against("dx", ks.softmax_backward(y, g, -1, log=mode == "log_softmax"), x, -1, mode, dtype, g=g)
-    assert [name[:10] for name, _ in launches] == ["_fwd_coop_", "_bwd_coop_"] * 2
+    with ks.config_override(**knobs):
+        for mode in ("softmax", "log_softmax"):
+            y = ks.softmax_forward(x, -1, log=mode == "log_softmax")
+            judge_against("fwd", y, x, -1, mode, dtype)
+            g = torch.randn(x.shape, device="cuda", dtype=F64).to(dtype)
+            judge_against("dx", ks.softmax_backward(y, g, -1, log=mode == "log_softmax"), x, -1, mode, dtype, g=g)
+    assert [ln.kernel[:9] for ln in launches] == ["fwd_coop_", "bwd_coop_"] * 2
+    # (rows of 40001 columns, off the boundaries: 10000 whole 16-byte vectors, 40000 float32 units or
+    # 20000 bf16 words, in 5 pieces of 8192 columns)
+    fwd = launches[0]
+    assert fwd.num_warps == 8 and fwd.consts["PIECE"] == (8192 if dtype == torch.float32 else 4096), fwd
+    assert fwd.consts["KB"] == 8  # (5 pieces)
 
 
 @pytest.mark.gpu
@@ -1304,11 +1314,13 @@ def test_gpu_cooperative_kernels_on_two_streams_at_once():
     match the results of one stream: they launch as cooperative grids, so the driver never leaves part
     of one grid waiting behind the other while its placed programs spin."""
     from ringlse.kernels import softmax as ks
+    from ringlse.kernels.launch import recorded_launches
 
-    assert ks.TUNING["coop_launch"]
     x1 = torch.randn(256, 65536, device="cuda")
     x2 = torch.randn(128, 131072, device="cuda", dtype=torch.bfloat16)
-    want = [ks.softmax_forward(x1), ks.softmax_forward(x2, log=True)]
+    with recorded_launches() as launches:
+        want = [ks.softmax_forward(x1), ks.softmax_forward(x2, log=True)]
+    assert all(ln.kernel.startswith("fwd_coop_") and ln.consts["launch_cooperative_grid"] for ln in launches)
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     got = [], []
     torch.cuda.synchronize()
@@ -1360,78 +1372,42 @@ def test_gpu_cooperative_words_taken_by_turns():
         assert torch.equal(captured, first[1])
 
 
-LOOKBACK_CASES = [  # rows, cols, dim, dtype, knobs: stats and normalising programs in one launch
-    pytest.param(3, 100003, -1, torch.float32, {}, id="3x100003-fp32"),
-    pytest.param(257, 40000, -1, torch.bfloat16, {"lb_group_bytes": 1 << 20}, id="257x40000-bf16-group1M"),
-    pytest.param(5, 40001, 0, torch.float32, {"lb_piece": 2048, "lb_block": 1024}, id="5x40001-dim0-fp32"),
-    pytest.param(2, 1 << 21, -1, torch.float16, {"lb_max_pieces": 64}, id="2x2M-fp16-64pieces"),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
-@pytest.mark.parametrize("rows,cols,dim,dtype,knobs", LOOKBACK_CASES)
-def test_gpu_lookback_long_rows(monkeypatch, rows, cols, dim, dtype, knobs, mode):
-    """The one-launch long-row forward and backward compiled, three times in a row on two streams:
-    the row counters they reuse must be left at zero by each call."""
-    from ringlse.kernels import softmax as ks
-
-    base = {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "coop_fwd": 0, "coop_bwd": 0, "lookback_fwd": 1,
-            "lookback_bwd": 1}
-    for key, value in {**base, **knobs}.items():
-        monkeypatch.setitem(ks.TUNING, key, value)
-    launches = spy_launches(monkeypatch, ks)
-    shape = (rows, cols) if dim == -1 else (cols, rows)
-    x = make_x(shape, dim, dtype, scale=3.0, seed=18, device="cuda")  # with all -inf rows
-    g = torch.randn(x.shape, device="cuda", dtype=F64).to(dtype)
-    side = torch.cuda.Stream()
-    for stream in (torch.cuda.current_stream(), torch.cuda.current_stream(), side):
-        with torch.cuda.stream(stream):
-            y = ks.softmax_forward(x, dim, log=mode == "log_softmax")
-            dx = ks.softmax_backward(y, g, dim, log=mode == "log_softmax")
-        torch.cuda.synchronize()
-        assert not torch.isnan(y).any() and not torch.isnan(dx).any()
-        judge_against("fwd", y, x, dim, mode, dtype)
-        judge_against("dx", dx, x, dim, mode, dtype, g=g)
-    assert [name for name, _ in launches] == ["_fwd_lookback_kernel", "_bwd_lookback_kernel"] * 3
-    assert all(int(ws.counters.count_nonzero()) == 0 for ws in ks._WORKSPACES.values() if ws.counters is not None)
-
-
 @pytest.mark.gpu
 def test_gpu_logsumexp_split_reuses_counters():
-    """The split logsumexp's last piece merges and zeroes its row counter: repeated calls of growing
-    row counts stay exact and leave the counters at zero."""
+    """The split logsumexp's last piece merges and zeroes its row counter (kept between calls): repeated
+    calls of growing and shrinking row counts, into NaN-poisoned outputs, each write every lse, right."""
     from ringlse.kernels import softmax as ks
 
-    for rows in (3, 3, 40):
-        x = make_x((rows, 70001), -1, torch.float32, scale=3.0, seed=19, device="cuda")
-        judge_against("fwd", ks.logsumexp_forward(x), x, -1, "logsumexp", torch.float32)
-    torch.cuda.synchronize()
-    assert all(int(ws.counters.count_nonzero()) == 0 for ws in ks._WORKSPACES.values() if ws.counters is not None)
+    for rows in (3, 3, 40, 3, 40):
+        x = make_x((rows, 70001), -1, torch.float32, scale=3.0, seed=19 + rows, device="cuda")
+        lse = kernel_forward(ks, "logsumexp", x, -1)
+        assert not lse.isnan().any()
+        judge_against("fwd", lse, x, -1, "logsumexp", torch.float32)
 
 
 @pytest.mark.gpu
-def test_gpu_workspace_per_stream_and_thread():
-    """Scratch is kept per (device, stream, thread): another stream, or another thread on the same
-    stream, gets its own; under graph capture there is none (the scratch is fresh)."""
+def test_gpu_scratch_per_stream():
+    """Calls queued on two streams at once keep their scratch apart (partials, counters and words are
+    kept per stream and thread): the split forward and logsumexp (per-piece partials, row counters) and
+    the cooperative forward of equal shapes, alternated on two streams, give bit for bit the results of
+    one stream."""
     from ringlse.kernels import softmax as ks
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    main = ks._workspace(dev)
-    assert main is not None and ks._workspace(dev) is main
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        assert ks._workspace(dev) not in (None, main)
-    other = []
-    thread = threading.Thread(target=lambda: other.append(ks._workspace(dev)))
-    thread.start()
-    thread.join()
-    assert other[0] not in (None, main)
-    x = torch.zeros(4, device=dev)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        x.add_(1)
-        assert ks._workspace(dev) is None
+    cases = [(lambda x: ks.softmax_forward(x), (8, 131072)), (lambda x: ks.logsumexp_forward(x), (8, 131072)),
+             (lambda x: ks.softmax_forward(x, log=True), (256, 65536))]
+    inputs = [[make_x(shape, -1, torch.float32, scale=3.0, seed=60 + 2 * c + t, device="cuda") for t in range(2)]
+              for c, (_, shape) in enumerate(cases)]
+    want = [[fn(x) for x in xs] for (fn, _), xs in zip(cases, inputs)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    got = []
+    for _ in range(20):
+        for t, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                got.append([(c, t, fn(xs[t])) for c, ((fn, _), xs) in enumerate(zip(cases, inputs))])
+    torch.cuda.synchronize()
+    bad = [(c, t) for step in got for c, t, y in step if not torch.equal(y, want[c][t])]
+    assert not bad, bad[:10]
 
 
 @pytest.mark.gpu
@@ -1498,9 +1474,7 @@ def test_gpu_fast_launch_alignment_and_int_specialisation(monkeypatch, order, re
 
     slow, real = [], kl.launch
     monkeypatch.setattr(kl, "launch", lambda kernel, *a, **k: slow.append(kernel.fn.__name__) or real(kernel, *a, **k))
-    if regime == "split":  # long rows through the launchers' own two-kernel paths
-        for key in ("coop_fwd", "coop_bwd", "lookback_fwd", "lookback_bwd"):
-            monkeypatch.setitem(ks.TUNING, key, 0)
+    # ("split": long rows through the two-kernel paths; 1 and 3 rows are too few for the cooperative ones)
     cols = (97, 4097) if regime == "rows" else (40001,)
     wheres = ["aligned", "offset", "sliced"]
     row_counts = [1, 3]
@@ -1530,6 +1504,42 @@ def test_gpu_fast_launch_alignment_and_int_specialisation(monkeypatch, order, re
 
 
 @pytest.mark.gpu
+def test_gpu_tritons_own_launch_path(monkeypatch):
+    """With the fast paths off (`launch.FAST_PATH`: a Triton other than 3.6), every launch is Triton's own
+    `kernel[grid](...)`, cooperative grids included: bit for bit the fast paths' results, for the row,
+    aligned, split and cooperative kernels, forward and backward."""
+    from ringlse.kernels import launch as kl
+    from ringlse.kernels import softmax as ks
+
+    cases = [((64, 4097), torch.bfloat16), ((3, 131072), torch.float32), ((256, 65536), torch.float32),
+             ((300, 40001), torch.bfloat16), ((100, 50257), torch.float16)]
+    inputs = [make_x(shape, -1, dtype, scale=3.0, seed=50, device="cuda") for shape, dtype in cases]
+    grads = [torch.randn(x.shape, device="cuda").to(x.dtype) for x in inputs]
+
+    def run():
+        out = []
+        for x, g in zip(inputs, grads):
+            y, ly, lse = ks.softmax_forward(x), ks.softmax_forward(x, log=True), ks.logsumexp_forward(x)
+            out += [y, ly, lse, ks.softmax_backward(y, g), ks.softmax_backward(ly, g, log=True),
+                    ks.logsumexp_backward(x, lse, g[:, 0])]
+        return out
+
+    with kl.recorded_launches() as fast:
+        want = run()
+    assert kl.FAST_PATH and {"fwd_coop_kernel", "fwd_coop_aligned_kernel", "fwd_stats_kernel",
+                             "fwd_rows_aligned_kernel"} <= {ln.kernel for ln in fast}
+    slow, real = [], kl.launch
+    monkeypatch.setattr(kl, "launch", lambda kernel, *a, **k: slow.append(kernel.fn.__name__) or real(kernel, *a, **k))
+    monkeypatch.setattr(kl, "FAST_PATH", False)
+    with kl.recorded_launches() as launched:
+        got = run()
+    torch.cuda.synchronize()
+    assert slow == [ln.kernel for ln in launched] == [ln.kernel for ln in fast]  # every launch: Triton's path
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert torch.equal(w, g), i
+
+
+@pytest.mark.gpu
 def test_gpu_matches_torch_softmax():
     x = torch.randn(64, 5000, device="cuda")
     torch.testing.assert_close(lt.softmax(x), torch.softmax(x, -1), rtol=1e-5, atol=1e-7)
@@ -1542,17 +1552,16 @@ def test_gpu_matches_torch_softmax():
     "dims", [pytest.param((2, 97, 130, 200), id="2x97x130x200"), pytest.param((1, 256, 64, 256), id="1x256x64x256")]
 )
 @pytest.mark.parametrize("factored", [False, True], ids=["exact", "factored"])
-def test_gpu_log_bmm(monkeypatch, dims, dtype, factored):
+def test_gpu_log_bmm(dims, dtype, factored):
     from ringlse.kernels import log_bmm as kl
 
-    monkeypatch.setitem(kl.TUNING, "bwd_dot", int(factored))
-    monkeypatch.setitem(kl.TUNING, "dot_min_tiles", 1)
     a, b = make_ab(*dims, dtype, seed=15, device="cuda")
     a.requires_grad_()
     b.requires_grad_()
-    out = lt.log_bmm(a, b)
-    g = torch.randn(out.shape, device="cuda")
-    ga, gb = torch.autograd.grad(out, (a, b), g)
+    with kl.config_override(dot_min_tiles=1 if factored else 1 << 62):
+        out = lt.log_bmm(a, b)
+        g = torch.randn(out.shape, device="cuda")
+        ga, gb = torch.autograd.grad(out, (a, b), g)
     ref, ra, rb = log_bmm_ref(a.detach(), b.detach(), g)
     assert_judged("out", out, ref, None, torch.float32)
     tol_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
