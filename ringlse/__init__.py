@@ -6,7 +6,7 @@ needs neither Triton nor a GPU: kernels load when first used. Conventions: CONVE
 """
 
 from ringlse import testing
-from ringlse.attention import attention, block_attention, chunked_attention
+from ringlse.attention import attention, block_attention, chunked_attention, varlen_attention
 from ringlse.blocks import available_backends, get_block_op
 from ringlse.lse import log_bmm, log_softmax, logsumexp, softmax
 from ringlse.merge import merge_attn_states, update_out_and_lse
@@ -32,5 +32,6 @@ __all__ = [
     "tune_nccl_env",
     "unshard",
     "update_out_and_lse",
+    "varlen_attention",
 ]
 __version__ = "0.1.0"

@@ -1,9 +1,11 @@
 """Single-device attention over any block op: `block_attention` (one block at global positions),
-`attention` (bottom-right causal), `chunked_attention` (keys in chunks merged by lse, bounded memory).
-All three are one plan of block calls under the autograd skeleton of `ringlse.blocks.contract`."""
+`attention` (bottom-right causal), `chunked_attention` (keys in chunks merged by lse, bounded memory)
+and `varlen_attention` (flash-attn's packed layout). Each is a plan of block calls under the autograd
+skeleton of `ringlse.blocks.contract`; masks follow CONVENTIONS.md §4 and §10 (`ringlse.masks`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -11,49 +13,103 @@ import torch
 from ringlse.blocks import get_block_op
 from ringlse.blocks.contract import BlockOp, planned_attention
 from ringlse.checks import check_flag, check_qkv, check_scale, lse_dtype
-from ringlse.masks import BlockKind, block_kind
+from ringlse.masks import BlockKind, Intervals, Rule, Span, block_intervals, block_kind, check_docs, check_window
 
 
-class _KeyChunk(NamedTuple):
+class _Call(NamedTuple):
+    """Query rows `[q0, q1)` attend key rows `[k0, k1)`: plain (`causal`, global `q_start`,
+    `k_start`) or through `intervals`."""
+
+    q0: int
+    q1: int
     k0: int
     k1: int
-    causal: bool  # a causal boundary crosses the chunk (chunks nothing sees are left out)
+    causal: bool
+    q_start: int
+    k_start: int
+    intervals: Intervals | None = None
 
 
-class _ChunkPlan:
-    """Attend all queries to key chunks `[k0, k1)`: one call returns its state as it is, several merge
-    into float32 accumulators (the op merges in place)."""
+class _CallPlan:
+    """Block calls over one q, k, v: a lone call covering everything returns its state as it is;
+    several merge into float32 accumulators (the op merges in place, into views of them)."""
 
-    def __init__(self, op: BlockOp, scale: float, q_start: int, k_start: int, chunks: list[_KeyChunk]):
-        self.op, self.scale, self.q_start, self.k_start, self.chunks = op, scale, q_start, k_start, chunks
+    def __init__(self, op: BlockOp, scale: float, calls: list[_Call]):
+        self.op, self.scale, self.calls = op, scale, calls
 
-    def _block(self, c: _KeyChunk) -> dict:
-        return dict(softmax_scale=self.scale, causal=c.causal, q_start=self.q_start, k_start=self.k_start + c.k0)
+    def _kw(self, c: _Call) -> dict:
+        kw = dict(softmax_scale=self.scale, causal=c.causal, q_start=c.q_start, k_start=c.k_start)
+        if c.intervals is not None:
+            kw["intervals"] = c.intervals
+        return kw
 
     def forward(self, q, k, v):
         b, sq, h, _ = q.shape
         acc = lse_dtype(q.dtype)
-        if len(self.chunks) == 1 and (self.chunks[0].k0, self.chunks[0].k1) == (0, k.shape[1]):
-            return self.op.forward(q, k, v, **self._block(self.chunks[0]))
+        if len(self.calls) == 1 and self.calls[0][:4] == (0, sq, 0, k.shape[1]):
+            return self.op.forward(q, k, v, **self._kw(self.calls[0]))
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
-        for c in self.chunks:
-            self.op.forward(q, k[:, c.k0:c.k1], v[:, c.k0:c.k1], **self._block(c), out_acc=out, lse_acc=lse)
+        for c in self.calls:
+            rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
+            self.op.forward(q[:, rows], k[:, keys], v[:, keys], **self._kw(c), out_acc=out[:, rows],
+                            lse_acc=lse[:, :, rows])
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, delta, lse_grad):
         acc = lse_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-        for c in self.chunks:
-            keys = slice(c.k0, c.k1)
-            self.op.backward(dout, q, k[:, keys], v[:, keys], out, lse, delta, **self._block(c),
-                             dq_acc=dq, dk_acc=dk[:, keys], dv_acc=dv[:, keys], lse_grad=lse_grad)
+        for c in self.calls:
+            rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
+            self.op.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows],
+                             None if delta is None else delta[:, :, rows], **self._kw(c), dq_acc=dq[:, rows],
+                             dk_acc=dk[:, keys], dv_acc=dv[:, keys],
+                             lse_grad=None if lse_grad is None else lse_grad[:, :, rows])
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _attend(q, k, v, *, causal, softmax_scale, q_start, k_start, chunk_size, backend, what):
+def _plain_calls(q0: int, q1: int, k0: int, k1: int, causal: bool, q_start: int, k_start: int) -> list[_Call]:
+    """The block rows `[q0, q1)` x `[k0, k1)` at global `q_start`, `k_start` under plain causal (or no)
+    masking: nothing, or one call (causal only where the boundary crosses it)."""
+    kind = block_kind(q1 - q0, k1 - k0, q_start, k_start, causal)
+    if kind is BlockKind.EMPTY:
+        return []
+    partial = kind is BlockKind.PARTIAL
+    return [_Call(q0, q1, k0, k1, partial, q_start if partial else 0, k_start if partial else 0)]
+
+
+def _block_calls(op: BlockOp, rule: Rule, q0: int, q1: int, k0: int, k1: int, q_start: int, k_start: int,
+                 what: str) -> Iterator[_Call]:
+    """Calls covering rows `[q0, q1)` (global positions from `q_start`) x keys `[k0, k1)` (from
+    `k_start`) under `rule`: plain calls where it is plain, else intervals for ops that take them,
+    else one plain call per document for ops that do not (windows then raise)."""
+    if rule.plain:
+        yield from _plain_calls(q0, q1, k0, k1, rule.causal, q_start, k_start)
+        return
+    if op.takes_intervals:
+        iv = block_intervals(rule, Span(q_start, q1 - q0), Span(k_start, k1 - k0), device="cpu")
+        kind = iv.kind()
+        if kind is BlockKind.FULL:
+            yield _Call(q0, q1, k0, k1, False, 0, 0)
+        elif kind is BlockKind.PARTIAL:
+            yield _Call(q0, q1, k0, k1, False, 0, 0, iv)
+        return
+    if rule.window != (-1, -1):
+        raise ValueError(f"{what}: window_size needs a backend that takes windows (torch, triton); "
+                         f"the {op.name!r} backend does not")
+    docs = rule.docs
+    for a, b in zip(docs, docs[1:]):  # each document alone is a plain block
+        qa, qb = max(q0, q0 + a - q_start), min(q1, q0 + b - q_start)
+        ka, kb = max(k0, k0 + a - k_start), min(k1, k0 + b - k_start)
+        if qa < qb and ka < kb:
+            yield from _plain_calls(qa, qb, ka, kb, rule.causal, q_start + qa - q0, k_start + ka - k0)
+
+
+def _attend(q, k, v, *, causal, softmax_scale, q_start, k_start, window_size, cu_seqlens, chunk_size, backend,
+            what):
     """`(out, lse)` over key chunks of `chunk_size` (None: one chunk), after every check; `q_start=None`
-    aligns the ends of q and k (bottom-right)."""
+    aligns the ends of q and k (bottom-right). Document boundaries index keys and queries alike (both
+    from position 0)."""
     check_qkv(q, k, v, what)
     check_flag(causal, "causal", what)
     if q_start is None:
@@ -61,17 +117,17 @@ def _attend(q, k, v, *, causal, softmax_scale, q_start, k_start, chunk_size, bac
     for name, value in (("q_start", q_start), ("k_start", k_start)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{what}: {name} must be an int, got {type(value).__name__}")
+    window = check_window(window_size, what)
+    end = max(q_start + q.shape[1], k_start + k.shape[1])
+    docs = check_docs(cu_seqlens, end, what)
     scale = check_scale(softmax_scale, q.shape[-1], what)
     op = get_block_op(backend, q.device, q.dtype)
+    rule = Rule(causal, window, docs)
     sq, sk = q.shape[1], k.shape[1]
-    step = sk if chunk_size is None else chunk_size
-    chunks = []
-    for k0 in range(0, sk, max(step, 1)):
-        k1 = min(sk, k0 + step)
-        kind = block_kind(sq, k1 - k0, q_start, k_start + k0, causal)
-        if kind is not BlockKind.EMPTY:
-            chunks.append(_KeyChunk(k0, k1, kind is BlockKind.PARTIAL))
-    return planned_attention(q, k, v, _ChunkPlan(op, scale, q_start, k_start, chunks))
+    step = max(sk if chunk_size is None else chunk_size, 1)
+    calls = [c for k0 in range(0, sk, step)
+             for c in _block_calls(op, rule, 0, sq, k0, min(sk, k0 + step), q_start, k_start + k0, what)]
+    return planned_attention(q, k, v, _CallPlan(op, scale, calls))
 
 
 def block_attention(
@@ -83,17 +139,27 @@ def block_attention(
     softmax_scale: float | None = None,
     q_start: int = 0,
     k_start: int = 0,
+    window_size: tuple[int, int] = (-1, -1),
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     backend: str | BlockOp = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block of queries to one block of keys at global positions, with its lse.
 
     Args:
         q: `[batch, seqlen_q, nheads, headdim]`; k, v: `[batch, seqlen_k, nheads_kv, headdim]`.
-        causal: key `j` visible to query `i` iff `k_start + j <= q_start + i` (CONVENTIONS.md §4).
+        causal: key at global position `t` visible to the query at `p` only if `t <= p`, with
+            `p = q_start + i`, `t = k_start + j` (CONVENTIONS.md §4).
         softmax_scale: defaults to `headdim ** -0.5`.
         q_start, k_start: global positions of the first query and key.
+        window_size: `(left, right)`: the query at `p` sees keys in `[p - left, p + right]`; -1 is
+            unbounded (CONVENTIONS.md §10).
+        cu_seqlens: document boundaries `[0, e1, ..., S]` over global positions, `S` the end of the
+            later of the two blocks; a query sees keys of its own document only. The same for every
+            batch row.
         backend: `auto` (`triton` on CUDA where it computes the dtype, else `sdpa`, else `torch`),
-            `triton`, `sdpa`, `flash`, `torch`, or a `BlockOp`.
+            `triton`, `sdpa`, `flash`, `torch`, or a `BlockOp`. Windows need `torch` (or a backend
+            that takes intervals); documents work everywhere (cut into per-document calls where the
+            backend takes no intervals).
 
     Returns:
         `(out, lse)`: `out` like `q`; `lse` `[batch, nheads, seqlen_q]` float32 (float64 for float64),
@@ -104,7 +170,8 @@ def block_attention(
         ValueError / TypeError: malformed inputs or options, or a backend that cannot run the call.
     """
     return _attend(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=q_start, k_start=k_start,
-                   chunk_size=None, backend=backend, what="block_attention")
+                   window_size=window_size, cu_seqlens=cu_seqlens, chunk_size=None, backend=backend,
+                   what="block_attention")
 
 
 def attention(
@@ -114,22 +181,28 @@ def attention(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str | BlockOp = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Single-device softmax attention; causal masks align bottom-right when `seqlen_q != seqlen_k`.
+    """Single-device softmax attention; causal masks and windows align bottom-right when
+    `seqlen_q != seqlen_k` (query `i` at position `seqlen_k - seqlen_q + i`, key `j` at `j`).
 
     Args:
         q: `[batch, seqlen_q, nheads, headdim]`; k, v: `[batch, seqlen_k, nheads_kv, headdim]`.
-        causal, softmax_scale, backend: as in `block_attention`.
+        causal, softmax_scale, window_size, backend: as in `block_attention`.
+        cu_seqlens: document boundaries over key positions `[0, ..., seqlen_k]`.
         return_lse: also return lse `[batch, nheads, seqlen_q]`.
 
     Returns:
         `out` like `q`, or `(out, lse)`.
     """
+    check_flag(return_lse, "return_lse", "attention")
     out, lse = _attend(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=None, k_start=0,
-                       chunk_size=None, backend=backend, what="attention")
-    return (out, lse) if check_flag(return_lse, "return_lse", "attention") else out
+                       window_size=window_size, cu_seqlens=cu_seqlens, chunk_size=None, backend=backend,
+                       what="attention")
+    return (out, lse) if return_lse else out
 
 
 def chunked_attention(
@@ -140,6 +213,8 @@ def chunked_attention(
     causal: bool = False,
     softmax_scale: float | None = None,
     chunk_size: int,
+    window_size: tuple[int, int] = (-1, -1),
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str | BlockOp = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +223,8 @@ def chunked_attention(
 
     Args:
         q: `[batch, seqlen_q, nheads, headdim]`; k, v: `[batch, seqlen_k, nheads_kv, headdim]`.
-        causal: causal mask aligned bottom-right (as `ringlse.attention`); chunks it empties are skipped.
+        causal, window_size, cu_seqlens: as in `ringlse.attention` (bottom-right); chunks the mask
+            empties are skipped.
         softmax_scale: defaults to `headdim ** -0.5`.
         chunk_size: keys per chunk (>= 1).
         return_lse: also return lse `[batch, nheads, seqlen_q]`.
@@ -159,6 +235,60 @@ def chunked_attention(
     """
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunked_attention: chunk_size must be a positive int, got {chunk_size!r}")
+    check_flag(return_lse, "return_lse", "chunked_attention")
     out, lse = _attend(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=None, k_start=0,
-                       chunk_size=chunk_size, backend=backend, what="chunked_attention")
-    return (out, lse) if check_flag(return_lse, "return_lse", "chunked_attention") else out
+                       window_size=window_size, cu_seqlens=cu_seqlens, chunk_size=chunk_size, backend=backend,
+                       what="chunked_attention")
+    return (out, lse) if return_lse else out
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: Sequence[int] | torch.Tensor,
+    cu_seqlens_k: Sequence[int] | torch.Tensor,
+    *,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    backend: str | BlockOp = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """flash-attn's varlen attention (`flash_attn_varlen_func`'s layout and semantics), on any backend.
+
+    Document `i` of q (rows `[cu_seqlens_q[i], cu_seqlens_q[i+1])`) attends document `i` of k only;
+    causal masks and windows align bottom-right within each pair (query `r` of a document of `lq`
+    queries sits at position `lk - lq + r` of its `lk` keys).
+
+    Args:
+        q: `[total_q, nheads, headdim]`; k, v: `[total_k, nheads_kv, headdim]`.
+        cu_seqlens_q, cu_seqlens_k: document boundaries, as many documents in both.
+        causal, window_size, softmax_scale, backend: as in `ringlse.block_attention`.
+        return_lse: also return lse `[nheads, total_q]` (float32; float64 for float64 inputs).
+
+    Returns:
+        `out` `[total_q, nheads, headdim]` like `q`, or `(out, lse)`; differentiable.
+    """
+    what = "varlen_attention"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{what}: {name} must be [total, nheads, headdim], got {getattr(t, 'shape', t)}")
+    check_flag(causal, "causal", what)
+    check_flag(return_lse, "return_lse", what)
+    qb, kb = check_docs(cu_seqlens_q, q.shape[0], what), check_docs(cu_seqlens_k, k.shape[0], what)
+    if len(qb) != len(kb):
+        raise ValueError(f"{what}: cu_seqlens_q has {len(qb) - 1} documents, cu_seqlens_k {len(kb) - 1}")
+    window = check_window(window_size, what)
+    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    check_qkv(q4, k4, v4, what)
+    scale = check_scale(softmax_scale, q.shape[-1], what)
+    op = get_block_op(backend, q.device, q.dtype)
+    rule = Rule(causal, window)
+    calls = []
+    for (qa, qe), (ka, ke) in zip(zip(qb, qb[1:]), zip(kb, kb[1:])):
+        # positions: keys at their row index, queries aligned to end with their document's keys
+        q_start = ka + (ke - ka) - (qe - qa)
+        calls += _block_calls(op, rule, qa, qe, ka, ke, q_start, ka, what)
+    out, lse = planned_attention(q4, k4, v4, _CallPlan(op, scale, calls))
+    return (out[0], lse[0]) if return_lse else out[0]

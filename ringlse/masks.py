@@ -1,11 +1,20 @@
-"""The causal-mask position rule of CONVENTIONS.md §4, shared by every block op.
+"""Which (query, key) pairs are visible: the rule of CONVENTIONS.md §4 and §10, shared by every path.
 
-Key `j` is visible to query `i` iff `k_start + j <= q_start + i`; only the difference
-`offset = q_start - k_start` matters, so a block is visible iff `j <= i + offset`.
+Plain causal blocks (§4): key `j` is visible to query `i` iff `k_start + j <= q_start + i`; only the
+difference `offset = q_start - k_start` matters, so a block is visible iff `j <= i + offset`
+(`block_kind`, `visibility_mask`, and the pieces fused kernels can run).
+
+The general rule (§10, `Rule`): the query at global position `p` sees the key at `t` iff
+(not causal or `t <= p`) and (`left < 0` or `t >= p - left`) and (`right < 0` or `t <= p + right`) and
+`doc(t) == doc(p)`. Every query then sees one interval of keys, and every key is seen by one interval
+of queries, both non-decreasing in the position: a block (`Span` of queries x `Span` of keys) is
+described by those intervals (`block_intervals`), never by a dense `[S, S]` mask.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
 
@@ -95,3 +104,138 @@ def split_causal_block_top_left(seqlen_q: int, seqlen_k: int, q_start: int, k_st
     if full_keys < seqlen_k:
         pieces.append(Piece(i0, seqlen_q, full_keys, seqlen_k, True))
     return pieces
+
+
+# ----------------------------------------------------------------------------------------------------
+# the general rule: windows and documents at global positions (CONVENTIONS.md §10)
+
+_FAR = 1 << 62  # beyond any position
+
+
+def check_window(window_size: Sequence[int], what: str) -> tuple[int, int]:
+    """`window_size` as `(left, right)` ints, -1 = unbounded; ValueError names anything else."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: window_size must be a pair (left, right), got {window_size!r}") from None
+    for name, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ValueError(f"{what}: window_size {name} must be an int >= -1 (-1: unbounded), got {value!r}")
+    return left, right
+
+
+def check_docs(cu_seqlens: Sequence[int] | torch.Tensor | None, total: int, what: str) -> tuple[int, ...] | None:
+    """Document boundaries `[0, e1, ..., total]` as a tuple (None: one document); ValueError names
+    boundaries that do not start at 0, end at `total`, or decrease."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+            raise ValueError(f"{what}: cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        bounds = tuple(int(x) for x in cu_seqlens.tolist())
+    else:
+        bounds = tuple(cu_seqlens)
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in bounds):
+            raise ValueError(f"{what}: cu_seqlens must hold ints, got {cu_seqlens!r}")
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(f"{what}: cu_seqlens must run from 0 to the sequence length {total}, got {list(bounds)}")
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{what}: cu_seqlens must not decrease, got {list(bounds)}")
+    return bounds
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The visibility rule of CONVENTIONS.md §10: causal, a window `(left, right)` (-1 = unbounded) and
+    document boundaries `docs` over global positions (None: one document)."""
+
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    docs: tuple[int, ...] | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Only causal or nothing: the `block_kind` path serves."""
+        return self.window == (-1, -1) and self.docs is None
+
+    def _doc_span(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bounds = torch.tensor(self.docs, dtype=torch.int64, device=x.device)
+        # the last boundary <= x starts x's document (empty documents share boundaries: right=True
+        # picks the last of them, whose document is the non-empty one holding x)
+        i = torch.searchsorted(bounds, x, right=True).clamp(1, len(self.docs) - 1) - 1
+        return bounds[i], bounds[i + 1]
+
+    def key_bounds(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global keys `[lo, hi)` seen by the queries at global positions `p` (int64)."""
+        lo, hi = torch.full_like(p, -_FAR), torch.full_like(p, _FAR)
+        if self.docs is not None:
+            lo, hi = self._doc_span(p)
+        if self.causal:
+            hi = torch.minimum(hi, p + 1)
+        left, right = self.window
+        if left >= 0:
+            lo = torch.maximum(lo, p - left)
+        if right >= 0:
+            hi = torch.minimum(hi, p + right + 1)
+        return lo, hi
+
+    def query_bounds(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global queries `[lo, hi)` that see the keys at global positions `t` (int64)."""
+        lo, hi = torch.full_like(t, -_FAR), torch.full_like(t, _FAR)
+        if self.docs is not None:
+            lo, hi = self._doc_span(t)
+        if self.causal:
+            lo = torch.maximum(lo, t)
+        left, right = self.window
+        if left >= 0:  # t >= p - left
+            hi = torch.minimum(hi, t + left + 1)
+        if right >= 0:  # t <= p + right
+            lo = torch.maximum(lo, t - right)
+        return lo, hi
+
+
+class Span(NamedTuple):
+    """Positions `start, start + stride, ...` (`length` of them) of a block's rows."""
+
+    start: int
+    length: int
+    stride: int = 1
+
+    def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
+        return self.start + self.stride * torch.arange(self.length, dtype=torch.int64, device=device)
+
+    def local(self, bound: torch.Tensor) -> torch.Tensor:
+        """Global bounds -> local row indices (the first row at or after `bound`), clamped to the span."""
+        return (-((self.start - bound) // self.stride)).clamp(0, self.length)
+
+
+class Intervals(NamedTuple):
+    """A block's visible pairs: query row `i` sees keys `[key_lo[i], key_hi[i])`, key `j` is seen by
+    query rows `[query_lo[j], query_hi[j])` (int32, local indices, empty where lo >= hi)."""
+
+    key_lo: torch.Tensor
+    key_hi: torch.Tensor
+    query_lo: torch.Tensor
+    query_hi: torch.Tensor
+
+    def kind(self) -> BlockKind:
+        """EMPTY when no pair is visible, FULL when every pair is (both read back to the host)."""
+        sq, sk = self.key_lo.numel(), self.query_lo.numel()
+        visible = (self.key_hi - self.key_lo).clamp(min=0)
+        total = int(visible.sum())
+        if total == 0:
+            return BlockKind.EMPTY
+        return BlockKind.FULL if total == sq * sk else BlockKind.PARTIAL
+
+    def dense(self) -> torch.Tensor:
+        """`[sq, sk]` bool (for the PyTorch op, which forms the scores anyway)."""
+        j = torch.arange(self.query_lo.numel(), device=self.key_lo.device)
+        return (j[None, :] >= self.key_lo[:, None]) & (j[None, :] < self.key_hi[:, None])
+
+
+def block_intervals(rule: Rule, q: Span, k: Span, device: torch.device | str | None = None) -> Intervals:
+    """The visible pairs of the block `q` x `k` under `rule`, as per-row intervals."""
+    key_lo, key_hi = (k.local(b) for b in rule.key_bounds(q.positions(device)))
+    query_lo, query_hi = (q.local(b) for b in rule.query_bounds(k.positions(device)))
+    key_hi, query_hi = torch.maximum(key_hi, key_lo), torch.maximum(query_hi, query_lo)
+    return Intervals(*(x.to(torch.int32) for x in (key_lo, key_hi, query_lo, query_hi)))

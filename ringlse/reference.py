@@ -46,6 +46,8 @@ def reference_attention(
     softmax_scale: float | None = None,
     q_start: int | None = None,
     k_start: int = 0,
+    window_size: tuple[int, int] = (-1, -1),
+    cu_seqlens: list[int] | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention computed in float64, differentiable, returning `(out, lse)`.
 
@@ -58,6 +60,9 @@ def reference_attention(
         q_start: global position of query 0; `None` aligns the ends of q and k (bottom-right, as
             flash-attn >= 2.1): `q_start = k_start + seqlen_k - seqlen_q`.
         k_start: global position of key 0.
+        window_size: `(left, right)`: the query at `p` sees keys in `[p - left, p + right]`, -1
+            unbounded (CONVENTIONS.md §10).
+        cu_seqlens: document boundaries over global positions; a query sees keys of its document only.
 
     Returns:
         `out` `[batch, seqlen_q, nheads, headdim]` in `q.dtype`, and `lse` `[batch, nheads, seqlen_q]`
@@ -65,7 +70,7 @@ def reference_attention(
         `lse = -inf`.
     """
     out, lse = attention_math(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=q_start,
-                              k_start=k_start, dtype=torch.float64)
+                              k_start=k_start, window_size=window_size, cu_seqlens=cu_seqlens, dtype=torch.float64)
     return out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
@@ -78,6 +83,8 @@ def attention_math(
     softmax_scale: float | None = None,
     q_start: int | None = None,
     k_start: int = 0,
+    window_size: tuple[int, int] = (-1, -1),
+    cu_seqlens: list[int] | torch.Tensor | None = None,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention of `reference_attention` with every operation in `dtype` (float64: the reference;
@@ -97,10 +104,21 @@ def attention_math(
     g = h // hkv
     qg = q.to(dtype).reshape(b, sq, hkv, g, d)
     scores = torch.einsum("bikgd,bjkd->bkgij", qg, k.to(dtype)) * scale
+    # the visibility rule of CONVENTIONS.md §10, written out pair by pair (its own code, not ringlse.masks)
+    p = q_start + torch.arange(sq, device=q.device)[:, None]
+    t = k_start + torch.arange(sk, device=q.device)[None, :]
+    hidden = torch.zeros(sq, sk, dtype=torch.bool, device=q.device)
     if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        scores = scores.masked_fill(k_start + j > q_start + i, float("-inf"))
+        hidden |= t > p
+    left, right = window_size
+    if left >= 0:
+        hidden |= t < p - left
+    if right >= 0:
+        hidden |= t > p + right
+    if cu_seqlens is not None:
+        bounds = torch.as_tensor(cu_seqlens, dtype=torch.int64, device=q.device)
+        hidden |= torch.bucketize(t, bounds, right=True) != torch.bucketize(p, bounds, right=True)
+    scores = scores.masked_fill(hidden, float("-inf"))
     p, lse = masked_softmax_and_lse(scores)
     out = torch.einsum("bkgij,bjkd->bikgd", p, v.to(dtype)).reshape(b, sq, h, d)
     return out, lse.reshape(b, h, sq)

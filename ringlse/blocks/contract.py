@@ -8,7 +8,9 @@ forward(q, k, v, *, softmax_scale, causal, q_start, k_start, out_acc=None, lse_a
     q `[b, sq, h, d]`, k/v `[b, sk, hkv, d]`. Without accumulators: returns `(out, lse)`, `out` in
     q's dtype, `lse` `[b, h, sq]` float32 (float64 for float64 inputs). With `out_acc` `[b, sq, h, d]`
     and `lse_acc` `[b, h, sq]` (float32/float64, possibly strided views into larger buffers): merges
-    the block into them in place (CONVENTIONS.md §3, `-inf`-safe) and returns them.
+    the block into them in place (CONVENTIONS.md §3, `-inf`-safe) and returns them. Ops with
+    `takes_intervals` also take `intervals=` (`ringlse.masks.Intervals`) for masks other than plain
+    causal (windows, documents; CONVENTIONS.md §10), with `causal=False`; backward likewise.
 
 forward_parts(q, k, v, *, softmax_scale, causal, q_start, k_start)
     Optional, for ops whose kernels return their state as new tensors (cuDNN, flash-attn): the block's
@@ -70,6 +72,9 @@ class BlockOp:
     backward_parts: Callable[..., BlockGrads] | None = None
     # returns the block's state as parts instead of merging it (see the module docstring), or None
     forward_parts: Callable[..., list[StatePart]] | None = None
+    # forward/backward take `intervals=` (`ringlse.masks.Intervals`: any mask where each query row
+    # sees one interval of keys: windows, documents); callers pass causal=False with it
+    takes_intervals: bool = False
 
     def compute_delta(self, dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.delta is not None:

@@ -8,18 +8,21 @@ import torch
 
 from ringlse.blocks.contract import BlockOp
 from ringlse.checks import lse_dtype
-from ringlse.masks import visibility_mask
+from ringlse.masks import Intervals, visibility_mask
 from ringlse.merge import merge_weights
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, q_start: int, k_start: int) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, q_start: int, k_start: int,
+            intervals: Intervals | None) -> torch.Tensor:
     """`[b, hkv, g, sq, sk]` scaled scores in the accumulation dtype, masked entries `-inf`."""
     b, sq, h, d = q.shape
     hkv = k.shape[2]
     acc = lse_dtype(q.dtype)
     qg = q.to(acc).reshape(b, sq, hkv, h // hkv, d)
     s = torch.einsum("bikgd,bjkd->bkgij", qg, k.to(acc)) * scale
-    if causal:
+    if intervals is not None:
+        s = s.masked_fill(~intervals.dense(), float("-inf"))
+    elif causal:
         s = s.masked_fill(~visibility_mask(sq, k.shape[1], q_start, k_start, device=q.device), float("-inf"))
     return s
 
@@ -35,9 +38,10 @@ def torch_block_forward(
     k_start: int,
     out_acc: torch.Tensor | None = None,
     lse_acc: torch.Tensor | None = None,
+    intervals: Intervals | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, sq, h, d = q.shape
-    s = _scores(q, k, softmax_scale, causal, q_start, k_start)
+    s = _scores(q, k, softmax_scale, causal, q_start, k_start, intervals)
     p, lse = merge_weights(s, dim=-1)
     out = torch.einsum("bkgij,bjkd->bikgd", p, v.to(s.dtype)).reshape(b, sq, h, d)
     lse = lse.reshape(b, h, sq)
@@ -67,11 +71,12 @@ def torch_block_backward(
     dk_acc: torch.Tensor,
     dv_acc: torch.Tensor,
     lse_grad: torch.Tensor | None = None,  # already in delta (block-op contract)
+    intervals: Intervals | None = None,
 ) -> None:
     b, sq, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv
-    s = _scores(q, k, softmax_scale, causal, q_start, k_start)
+    s = _scores(q, k, softmax_scale, causal, q_start, k_start, intervals)
     acc = s.dtype
     lse_g = lse.to(acc).reshape(b, hkv, g, sq, 1)
     # P from the *global* lse; rows whose global lse is -inf saw nothing anywhere: P = 0 there
@@ -84,4 +89,4 @@ def torch_block_backward(
     dk_acc += torch.einsum("bkgij,bikgd->bjkd", ds, q.to(acc).reshape(b, sq, hkv, g, d))
 
 
-TORCH_BLOCK_OP = BlockOp("torch", torch_block_forward, torch_block_backward)
+TORCH_BLOCK_OP = BlockOp("torch", torch_block_forward, torch_block_backward, takes_intervals=True)
