@@ -96,6 +96,10 @@ def expect_value_errors(rank, world, layout_bad_n: int) -> list[tuple[str, bool,
         r(1, 4, 2, 8), r(1, 4, 2, 8, dtype=torch.float64), r(1, 4, 2, 8)))
     attempt("heads not divisible", lambda: ringlse.ring_attention(r(1, 4, 6, 8), r(1, 4, 4, 8), r(1, 4, 4, 8)))
     attempt("unknown layout", lambda: ringlse.ring_attention(r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), layout="spiral"))
+    attempt("window below -1", lambda: ringlse.ring_attention(
+        r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), window_size=(-3, 0)))
+    attempt("documents not ending at S", lambda: ringlse.ring_attention(
+        r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), cu_seqlens=[0, 4 * world - 1]))
     attempt("unknown backend", lambda: ringlse.ring_attention(r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), backend="nope"))
     # only rank 1 (or 0 for W=1) is wrong: the others must not hang in the ring
     bad_rank = min(1, world - 1)
@@ -106,6 +110,10 @@ def expect_value_errors(rank, world, layout_bad_n: int) -> list[tuple[str, bool,
         attempt("ranks disagree on length", lambda: ringlse.ring_attention(r(1, n, 2, 8), r(1, n, 2, 8), r(1, n, 2, 8)))
         attempt("ranks disagree on causal", lambda: ringlse.ring_attention(
             r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), causal=rank == 0, layout="contiguous"))
+        docs = [0, 2, 4 * world] if rank == 0 else [0, 3, 4 * world]
+        attempt("ranks disagree on documents", lambda: ringlse.ring_attention(
+            r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), causal=True, layout="stripe", cu_seqlens=docs,
+            backend="torch"))
     attempt("shard length not divisible", lambda: ringlse.shard(r(1, 2 * world + 1, 2, 8), "zigzag"))
     # the group is still usable after all that
     x = torch.full((1,), float(rank), device=device)
@@ -151,3 +159,31 @@ def nan_inputs_finish(rank, world) -> bool:
     out = ringlse.ring_attention(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), causal=True)
     out.sum().backward()
     return True
+
+
+def masked_rings(rank, world, cases: list[dict]) -> list[str]:
+    """Rings with windows and documents (global boundaries crossing ranks) against the dense-mask
+    oracle, float64, forward and backward; returns the failures."""
+    from mask_oracle import oracle
+
+    failures = []
+    for c in cases:
+        s = c["s"]
+        q, k, v, dout, dlse = random_inputs(1, s, 4, 2, 8, torch.float64, seed=c["seed"])
+        kw = dict(causal=c["causal"], window_size=c["window"], cu_seqlens=c["docs"])
+        local = [ringlse.shard(t, c["layout"]) for t in (q, k, v, dout)]
+        ql, kl, vl = (t.detach().requires_grad_() for t in local[:3])
+        out, lse = ringlse.ring_attention(ql, kl, vl, layout=c["layout"], return_lse=True, backend="torch", **kw)
+        loss = (out * local[3]).sum() + (lse.nan_to_num(neginf=0.0) * ringlse.shard(dlse, c["layout"], dim=2)).sum()
+        loss.backward()
+        ours = [ringlse.unshard(t.detach(), c["layout"], dim=d)
+                for t, d in ((out, 1), (lse, 2), (ql.grad, 1), (kl.grad, 1), (vl.grad, 1))]
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        r_out, r_lse = oracle(*leaves, range(s), range(s), c["causal"], c["window"], c["docs"])
+        ((r_out * dout).sum() + (r_lse.nan_to_num(neginf=0.0) * dlse).sum()).backward()
+        for name, a, b in zip(NAMES, ours, [r_out, r_lse, *(t.grad for t in leaves)]):
+            try:
+                torch.testing.assert_close(a, b.detach())
+            except AssertionError as e:
+                failures.append(f"rank {rank} {c}: {name}: {str(e).splitlines()[0]}")
+    return failures

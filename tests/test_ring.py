@@ -143,3 +143,21 @@ def test_ring_over_subgroups_maps_ranks(tmp_path):
 
 def test_nan_inputs_do_not_hang(tmp_path):
     assert all(run_ranks(rw.nan_inputs_finish, 2, tmp_path, timeout=120))
+
+
+def _masked_cases(world: int) -> list[dict]:
+    s = 4 * world * 3  # zigzag needs 2W chunks
+    docs = [0, 1, 1, s // 3 + 1, s - 5, s]  # empty, length-1 and rank-crossing documents
+    cases = []
+    for layout in LAYOUTS:
+        for causal, window, bounds in ((True, (-1, -1), docs), (True, (3, -1), None), (False, (2, 4), docs),
+                                       (True, (0, 0), docs)):
+            cases.append(dict(s=s, layout=layout, causal=causal, window=window, docs=bounds, seed=len(cases)))
+    return cases
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4], ids=lambda w: f"W{w}")
+def test_ring_with_windows_and_documents_matches_the_oracle(world, tmp_path):
+    per_rank = run_ranks(rw.masked_rings, world, tmp_path, _masked_cases(world), timeout=300)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures[:10])

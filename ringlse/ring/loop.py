@@ -14,6 +14,7 @@ and NCCL/GPU.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from ringlse.blocks import get_block_op
 from ringlse.blocks.contract import BlockOp, planned_attention
 from ringlse.checks import SUPPORTED_DTYPES, check_flag, check_qkv, check_scale, lse_dtype
+from ringlse.masks import Rule, check_docs, check_window
 from ringlse.merge import GradPart, PartSum, StateMerge, sum_parts
 from ringlse.ring.agree import Agreement
 from ringlse.ring.comm import RingComm
@@ -121,7 +123,7 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, che
     def attend(plan, kv):
         for c in plan:
             qc, kc, vc = q[:, c.q0:c.q1], kv[0][:, c.k0:c.k1], kv[1][:, c.k0:c.k1]
-            block = dict(softmax_scale=scale, causal=c.causal, q_start=c.q_start, k_start=c.k_start)
+            block = dict(softmax_scale=scale, **c.block_args())
             if states is not None:
                 for part in op.forward_parts(qc, kc, vc, **block):
                     states.add(part, c.q0)
@@ -176,7 +178,7 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
         rows = slice(c.q0, c.q1)
         args = (dout[:, rows], q[:, rows], kv[0][:, c.k0:c.k1], kv[1][:, c.k0:c.k1], out[:, rows], lse[:, :, rows],
                 None if delta is None else delta[:, :, rows])
-        kw = dict(softmax_scale=scale, causal=c.causal, q_start=c.q_start, k_start=c.k_start,
+        kw = dict(softmax_scale=scale, **c.block_args(),
                   lse_grad=None if lse_grad is None else lse_grad[:, :, rows])
         return args, kw
 
@@ -262,13 +264,17 @@ _LAYOUT_CODES = {name: i for i, name in enumerate(LAYOUTS)}
 _DTYPE_CODES = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 
 
-def _local_error(q, k, v, layout: str, causal, return_lse, comm: RingComm) -> str | None:
-    """Everything a rank can check alone, as a message instead of an exception, so that every rank
-    still reaches the agreement collective and raises together."""
+def _local_rule(q, k, v, layout: str, causal, window_size, cu_seqlens, return_lse, comm: RingComm
+                ) -> tuple[Rule | None, str | None]:
+    """Everything a rank can check alone, and the visibility rule, with any error as a message
+    instead of an exception, so that every rank still reaches the agreement collective and raises
+    together."""
     try:
         check_qkv(q, k, v, "ring_attention")
         check_flag(causal, "causal", "ring_attention")
         check_flag(return_lse, "return_lse", "ring_attention")
+        window = check_window(window_size, "ring_attention")
+        docs = check_docs(cu_seqlens, q.shape[1] * comm.world, "ring_attention")
         if q.shape[1] != k.shape[1]:
             raise ValueError(f"ring_attention: local q and k/v lengths differ ({q.shape[1]} vs {k.shape[1]}); "
                              "each rank must hold the same positions of q, k and v")
@@ -278,8 +284,17 @@ def _local_error(q, k, v, layout: str, causal, return_lse, comm: RingComm) -> st
         if comm.backend == "gloo" and q.device.type != "cpu":
             raise ValueError(f"ring_attention: the gloo group needs CPU tensors, got {q.device}")
     except (ValueError, TypeError) as e:
-        return str(e)
-    return None
+        return None, str(e)
+    return Rule(causal, window, docs), None
+
+
+def _rule_code(rule: Rule | None) -> list[int]:
+    """Integers for the agreement that differ when two ranks' windows or documents differ."""
+    if rule is None:
+        return [-2, -2, -1, 0]
+    docs = rule.docs or ()
+    digest = hashlib.blake2b(repr(docs).encode(), digest_size=7).digest()
+    return [*rule.window, len(docs), int.from_bytes(digest, "little")]
 
 
 def ring_attention(
@@ -292,6 +307,8 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     layout: str | None = None,
     return_lse: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     backend: str | BlockOp = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention over a sequence sharded across the ranks of `group`.
@@ -306,6 +323,10 @@ def ring_attention(
         layout: `zigzag` (default when causal), `contiguous` (default otherwise) or `stripe`; use
             `ringlse.shard` to split a full sequence the same way.
         return_lse: also return lse `[batch, nheads, n]` (float32; float64 for float64 inputs).
+        window_size: `(left, right)` at global positions, -1 unbounded (CONVENTIONS.md §10).
+        cu_seqlens: document boundaries over the *global* sequence `[0, ..., S]`, the same on every
+            rank; documents need no divisibility and may cross ranks in any layout. Windows and
+            documents need a backend that takes intervals (`torch`, `triton`).
         backend: block op: `auto` (`triton` on CUDA, `torch` on CPU), `triton`, `sdpa`, `flash`, `torch`,
             or a `BlockOp`.
 
@@ -319,8 +340,8 @@ def ring_attention(
     """
     comm = RingComm.for_group(group)
     layout = default_layout(causal is True) if layout is None else layout
-    error = _local_error(q, k, v, layout, causal, return_lse, comm) if layout in LAYOUTS else \
-        f"unknown layout {layout!r}; choose one of {LAYOUTS}"
+    rule, error = _local_rule(q, k, v, layout, causal, window_size, cu_seqlens, return_lse, comm) \
+        if layout in LAYOUTS else (None, f"unknown layout {layout!r}; choose one of {LAYOUTS}")
     try:  # every rank of an NCCL group, whatever its inputs: the first call per group is collective
         pull = use_copy_engines(comm)
     except ValueError as e:
@@ -330,14 +351,18 @@ def ring_attention(
         try:
             scale = check_scale(softmax_scale, q.shape[-1], "ring_attention")
             op = get_block_op(backend, q.device, q.dtype)
+            if not rule.plain and not op.takes_intervals:
+                raise ValueError(f"ring_attention: windows and documents need a backend that takes intervals "
+                                 f"(torch, triton); the {op.name!r} backend does not")
         except (ValueError, TypeError) as e:
             error = str(e)
     shapes = [*q.shape, *k.shape] if error is None else [-1] * 8
     meta = [*shapes, _DTYPE_CODES.get(q.dtype, -1) if error is None else -1, int(causal is True),
-            _LAYOUT_CODES.get(layout, -1), round((scale or 0.0) * 2**30), int(return_lse is True), int(pull)]
+            _LAYOUT_CODES.get(layout, -1), round((scale or 0.0) * 2**30), int(return_lse is True), int(pull),
+            *_rule_code(rule if error is None else None)]
     check = comm.post_agreement(meta, error)
     if error is not None:
         check()  # raises on every rank; the others raise in their check() below
-    plans, peer_plans = step_plans(layout, comm.rank, comm.world, q.shape[1], causal)
+    plans, peer_plans = step_plans(layout, comm.rank, comm.world, q.shape[1], rule)
     out, lse = planned_attention(q, k, v, _RingPlan(op, scale, comm, plans, peer_plans, return_lse, pull, check))
     return (out, lse) if return_lse else out

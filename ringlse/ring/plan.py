@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ringlse.masks import BlockKind, block_kind
+from ringlse.masks import BlockKind, Intervals, Rule, Span, block_intervals, block_kind
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 
@@ -66,7 +66,8 @@ def local_positions(layout: str, rank: int, world: int, n_local: int) -> torch.T
 
 class BlockCall(NamedTuple):
     """Attend local queries `[q0, q1)` to the held keys `[k0, k1)`; `q_start`/`k_start` are in the
-    local index space of the two slices (see `plan_step`)."""
+    local index space of the two slices (see `plan_step`); `intervals` (with `causal=False`) carries a
+    mask other than plain causal (windows, documents: `ringlse.masks`)."""
 
     q0: int
     q1: int
@@ -75,6 +76,31 @@ class BlockCall(NamedTuple):
     causal: bool
     q_start: int
     k_start: int
+    intervals: Intervals | None = None
+
+    def block_args(self) -> dict:
+        """The mask arguments of a block-op call for this call."""
+        kw = dict(causal=self.causal, q_start=self.q_start, k_start=self.k_start)
+        if self.intervals is not None:
+            kw["intervals"] = self.intervals
+        return kw
+
+
+def plan_step_masked(layout: str, rank: int, src: int, world: int, n_local: int, rule: Rule) -> list[BlockCall]:
+    """`plan_step` for a rule with windows or documents: one call per pair of position runs (query run
+    of `rank` x key run of `src`) that shows any pair, through intervals where it is not fully visible."""
+    calls = []
+    for qs in segments(layout, rank, world, n_local):
+        for ks in segments(layout, src, world, n_local):
+            iv = block_intervals(rule, Span(qs.global_start, qs.length, qs.stride),
+                                 Span(ks.global_start, ks.length, ks.stride))
+            kind = iv.kind()
+            if kind is BlockKind.EMPTY:
+                continue
+            calls.append(BlockCall(qs.local_start, qs.local_start + qs.length, ks.local_start,
+                                   ks.local_start + ks.length, False, 0, 0,
+                                   iv if kind is BlockKind.PARTIAL else None))
+    return calls
 
 
 def plan_step(layout: str, rank: int, src: int, world: int, n_local: int, causal: bool) -> list[BlockCall]:
@@ -177,12 +203,16 @@ def unshard(x_local: torch.Tensor, layout: str, dim: int = 1, group: dist.Proces
 
 
 @functools.lru_cache(maxsize=64)
-def step_plans(layout: str, rank: int, world: int, n: int, causal: bool) -> tuple[tuple[tuple[BlockCall, ...], ...], ...]:
+def step_plans(layout: str, rank: int, world: int, n: int, rule: Rule) -> tuple[tuple[tuple[BlockCall, ...], ...], ...]:
     """`(plans, peer_plans)`: plans[s] are the block calls of step s, whose K/V came from rank
     (rank - s) mod W; peer_plans[s] those of rank (rank + s) mod W at its step s, when it holds our
     K/V. Cached: the same shapes come back on every call of a training run."""
-    plans = tuple(tuple(plan_step(layout, rank, (rank - s) % world, world, n, causal)) for s in range(world))
-    peer_plans = tuple(tuple(plan_step(layout, (rank + s) % world, rank, world, n, causal)) for s in range(world))
+    if rule.plain:
+        step = lambda r, src: plan_step(layout, r, src, world, n, rule.causal)  # noqa: E731
+    else:
+        step = lambda r, src: plan_step_masked(layout, r, src, world, n, rule)  # noqa: E731
+    plans = tuple(tuple(step(rank, (rank - s) % world)) for s in range(world))
+    peer_plans = tuple(tuple(step((rank + s) % world, rank)) for s in range(world))
     return plans, peer_plans
 
 
@@ -197,6 +227,9 @@ def split_keys(plan: Sequence[BlockCall], m: int) -> tuple[list[BlockCall], list
     (fewer rounded parts to sum, and one call fewer)."""
     halves: tuple[list[BlockCall], list[BlockCall]] = ([], [])
     for c in plan:
+        if c.intervals is not None:  # masked calls stay whole, in the half computed first
+            halves[1].append(c)
+            continue
         for half, (a, b) in zip(halves, ((c.k0, min(c.k1, m)), (max(c.k0, m), c.k1))):
             if a >= b:
                 continue
