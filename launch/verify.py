@@ -35,6 +35,25 @@ def _positive(text: str) -> int:
     return value
 
 
+def _window(text: str) -> tuple[int, int]:
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected L,R (two integers, -1 unbounded), got {text!r}") from None
+    if left < -1 or right < -1:
+        raise argparse.ArgumentTypeError(f"window entries must be >= -1, got {text!r}")
+    return left, right
+
+
+def document_bounds(seqlen: int, n_docs: int | None, seed: int) -> list[int] | None:
+    """`n_docs` documents of random lengths over the sequence (boundaries), the same on every rank."""
+    if n_docs is None:
+        return None
+    gen = torch.Generator().manual_seed(seed + 1)
+    cuts = torch.randperm(seqlen - 1, generator=gen)[: n_docs - 1] + 1 if seqlen > 1 else torch.empty(0)
+    return [0, *sorted(int(c) for c in cuts), seqlen]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=_positive, default=1)
@@ -49,6 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layout", choices=ringlse.ring.LAYOUTS, default=None,
                    help="default: zigzag when causal, contiguous otherwise")
     p.add_argument("--backend", choices=("auto", *BACKENDS), default="auto")
+    p.add_argument("--window", type=_window, default=(-1, -1), metavar="L,R",
+                   help="sliding window: each query sees keys from L before to R after it (-1: unbounded)")
+    p.add_argument("--docs", type=_positive, default=None, metavar="N",
+                   help="pack N documents of random lengths into the sequence (attention stays within each)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nproc", type=_positive, default=None, help="ranks to start without torchrun (default: #GPUs, else 2)")
     p.add_argument("--cpu", action="store_true", help="use CPU ranks (gloo) even when GPUs exist")
@@ -104,15 +127,19 @@ def run(args: argparse.Namespace) -> bool:
     q, k, v = draw(args.batch, seqlen, args.heads, args.head_dim), *(draw(args.batch, seqlen, hkv, args.head_dim) for _ in "kv")
     dout = draw(args.batch, seqlen, args.heads, args.head_dim)
     ok = True
+    docs = document_bounds(seqlen, args.docs, args.seed)
+    mask = dict(window_size=args.window, cu_seqlens=docs)
     if rank == 0:
         print(f"ring_attention vs float64 reference: W={world} ({'NCCL' if use_cuda else 'gloo'}, {device.type}), "
               f"batch {args.batch}, seqlen {seqlen}, heads {args.heads}/{hkv}, head dim {args.head_dim}, "
-              f"{args.dtype}, backend {args.backend}")
+              f"{args.dtype}, backend {args.backend}"
+              + (f", window {args.window}" if args.window != (-1, -1) else "")
+              + (f", {len(docs) - 1} documents {docs}" if docs else ""))
     for causal, layout in layouts_of(args):
-        ours = ring_with_grads(q, k, v, dout, causal=causal, layout=layout, backend=args.backend)
+        ours = ring_with_grads(q, k, v, dout, causal=causal, layout=layout, backend=args.backend, **mask)
         if rank == 0:
             try:
-                verdicts = judge_all(ours, q, k, v, dout, causal=causal)
+                verdicts = judge_all(ours, q, k, v, dout, causal=causal, **mask)
             except Exception:  # e.g. the float64 reference does not fit: a FAIL, not a hang of the others
                 traceback.print_exc()
                 verdicts = []

@@ -95,8 +95,8 @@ def _block_calls(op: BlockOp, rule: Rule, q0: int, q1: int, k0: int, k1: int, q_
             yield _Call(q0, q1, k0, k1, False, 0, 0, iv)
         return
     if rule.window != (-1, -1):
-        raise ValueError(f"{what}: window_size needs a backend that takes windows (torch, triton); "
-                         f"the {op.name!r} backend does not")
+        raise ValueError(f"{what}: window_size needs a backend that takes windows (intervals); "
+                         f"the {op.name!r} block op does not")
     docs = rule.docs
     for a, b in zip(docs, docs[1:]):  # each document alone is a plain block
         qa, qb = max(q0, q0 + a - q_start), min(q1, q0 + b - q_start)
@@ -121,7 +121,8 @@ def _attend(q, k, v, *, causal, softmax_scale, q_start, k_start, window_size, cu
     end = max(q_start + q.shape[1], k_start + k.shape[1])
     docs = check_docs(cu_seqlens, end, what)
     scale = check_scale(softmax_scale, q.shape[-1], what)
-    op = get_block_op(backend, q.device, q.dtype)
+    # windows need intervals; documents alone are cut into plain calls for ops without them
+    op = get_block_op(backend, q.device, q.dtype, masked=window != (-1, -1))
     rule = Rule(causal, window, docs)
     sq, sk = q.shape[1], k.shape[1]
     step = max(sk if chunk_size is None else chunk_size, 1)
@@ -283,7 +284,7 @@ def varlen_attention(
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     check_qkv(q4, k4, v4, what)
     scale = check_scale(softmax_scale, q.shape[-1], what)
-    op = get_block_op(backend, q.device, q.dtype)
+    op = get_block_op(backend, q.device, q.dtype, masked=window != (-1, -1))
     rule = Rule(causal, window)
     calls = []
     for (qa, qe), (ka, ke) in zip(zip(qb, qb[1:]), zip(kb, kb[1:])):

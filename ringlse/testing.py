@@ -45,11 +45,13 @@ def naive_attention(
     softmax_scale: float | None = None,
     q_start: int | None = None,
     k_start: int = 0,
+    window_size: tuple[int, int] = (-1, -1),
+    cu_seqlens=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The baseline of CONVENTIONS.md §7: the reference's attention with every operation in the input
     dtype. Same arguments as `reference_attention`; `(out, lse)` both in q's dtype."""
     return attention_math(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=q_start, k_start=k_start,
-                          dtype=q.dtype)
+                          window_size=window_size, cu_seqlens=cu_seqlens, dtype=q.dtype)
 
 
 def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
@@ -143,7 +145,8 @@ def attention_with_grads(fn, q, k, v, dout, dlse=None, *, upcast: bool, **kwargs
 
 
 def ring_with_grads(q, k, v, dout, dlse=None, *, causal: bool, layout: str, backend="auto",
-                    group=None, non_contiguous: bool = False, return_lse: bool = True) -> tuple[torch.Tensor, ...]:
+                    group=None, non_contiguous: bool = False, return_lse: bool = True,
+                    window_size=(-1, -1), cu_seqlens=None) -> tuple[torch.Tensor, ...]:
     """Shard full `q, k, v, dout` (same on every rank), run `ring_attention` forward and backward,
     and gather: the full-sequence `(out, lse, dq, dk, dv)` on every rank.
 
@@ -155,15 +158,16 @@ def ring_with_grads(q, k, v, dout, dlse=None, *, causal: bool, layout: str, back
     if non_contiguous:  # a [b, h, n, d] storage seen as [b, n, h, d]: strided inputs must work
         local[:3] = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in local[:3]]
     ql, kl, vl = (t.detach().requires_grad_() for t in local[:3])
+    kw = dict(causal=causal, layout=layout, backend=backend, group=group, window_size=window_size,
+              cu_seqlens=cu_seqlens)
     if return_lse:
-        out, lse = ring_attention(ql, kl, vl, causal=causal, layout=layout, return_lse=True, backend=backend, group=group)
+        out, lse = ring_attention(ql, kl, vl, return_lse=True, **kw)
     else:
         if dlse is not None:
             raise ValueError("ring_with_grads: an lse gradient needs return_lse=True")
-        out = ring_attention(ql, kl, vl, causal=causal, layout=layout, backend=backend, group=group)
+        out = ring_attention(ql, kl, vl, **kw)
         with torch.no_grad():
-            _, lse = ring_attention(ql, kl, vl, causal=causal, layout=layout, return_lse=True, backend=backend,
-                                    group=group)
+            _, lse = ring_attention(ql, kl, vl, return_lse=True, **kw)
     loss = (out.double() * local[3].double()).sum()
     if dlse is not None:
         loss = loss + (lse.double() * shard(dlse, layout, dim=2, group=group).double()).sum()
@@ -175,14 +179,15 @@ def ring_with_grads(q, k, v, dout, dlse=None, *, causal: bool, layout: str, back
     return gather(out), gather(lse, 2), gather(ql.grad), gather(kl.grad), gather(vl.grad)
 
 
-def judge_all(ours, q, k, v, dout, dlse=None, *, causal: bool) -> list[Verdict]:
+def judge_all(ours, q, k, v, dout, dlse=None, *, causal: bool, window_size=(-1, -1), cu_seqlens=None
+              ) -> list[Verdict]:
     """Judge full-sequence `(out, lse, dq, dk, dv)` against the float64 reference (and, for bf16/fp16,
     the naive in-dtype baseline) by CONVENTIONS.md §7.
 
     The references are computed one kv-head group at a time (heads are independent), so the float64
     score matrices of long sequences need `1 / nheads_kv` of the memory.
     """
-    kw = dict(causal=causal, q_start=0, k_start=0)
+    kw = dict(causal=causal, q_start=0, k_start=0, window_size=window_size, cu_seqlens=cu_seqlens)
     hkv = k.shape[2]
     g = q.shape[2] // hkv
 

@@ -4,6 +4,8 @@ forward and backward."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -117,8 +119,22 @@ def test_documents_through_a_backend_without_intervals(causal):
 
 def test_windows_on_a_backend_without_them_name_the_backends_that_take_them():
     q, k, v, *_ = _inputs(1, 8, 8, 2, 2, 8, seed=6)
-    with pytest.raises(ValueError, match=r"window_size needs a backend that takes windows \(torch"):
+    with pytest.raises(ValueError, match=r"window_size needs a backend that takes windows"):
         ringlse.attention(q, k, v, window_size=(2, 2), backend=SDPA_BLOCK_OP)
+    with pytest.raises(ValueError, match=r"sdpa does not take windows or documents here \(backends that do: torch"):
+        ringlse.get_block_op("sdpa", "cuda", torch.bfloat16, masked=True)
+    assert ringlse.get_block_op("auto", "cuda", torch.bfloat16, masked=True).takes_intervals
+
+
+def test_the_registry_knows_which_ops_take_intervals():
+    from ringlse.blocks import _BACKENDS
+
+    for name, (module, attr, _, intervals) in _BACKENDS.items():
+        try:
+            op = getattr(importlib.import_module(module), attr)
+        except ImportError:  # triton's module needs Triton
+            continue
+        assert op.takes_intervals == intervals, name
 
 
 @pytest.mark.parametrize(

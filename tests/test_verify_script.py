@@ -24,6 +24,13 @@ def test_verify_passes_on_two_cpu_ranks():
     assert r.stdout.count("PASS") == 11, r.stdout  # 5 rows x (causal, non-causal) + the summary
 
 
+def test_verify_passes_with_a_window_and_packed_documents():
+    r = _run("--seqlen", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--window", "9,2",
+             "--docs", "5", "--dtype", "fp16")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "5 documents" in r.stdout and r.stdout.count("PASS") == 11, r.stdout
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -36,9 +43,11 @@ def test_verify_passes_on_two_cpu_ranks():
         (("--head-dim", "0"), "--head-dim: must be a positive integer, got 0"),
         (("--heads", "-2"), "--heads: must be a positive integer, got -2"),
         (("--heads", "6", "--kv-heads", "4"), "--heads 6 is not a multiple of --kv-heads 4"),
+        (("--window", "3"), "--window: expected L,R"),
+        (("--window", "-2,0"), "--window: window entries must be >= -1"),
     ],
     ids=["indivisible", "indivisible-w3", "bad-backend", "seqlen-0", "nproc-0", "batch-0", "head-dim-0",
-         "negative-heads", "gqa-ratio"],
+         "negative-heads", "gqa-ratio", "window-one-number", "window-below-minus-1"],
 )
 def test_verify_refuses_bad_flags_in_one_line(flags, message):
     r = _run(*flags)

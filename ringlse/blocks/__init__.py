@@ -23,12 +23,13 @@ from ringlse.blocks.contract import BlockOp
 from ringlse.kernel_import import have_triton, interpreting
 
 _HALF = (torch.bfloat16, torch.float16)
-# name -> (module, attribute holding the BlockOp, dtypes it computes)
-_BACKENDS: dict[str, tuple[str, str, tuple[torch.dtype, ...]]] = {
-    "triton": ("ringlse.blocks.triton_kernels", "TRITON_BLOCK_OP", (*_HALF, torch.float32)),
-    "sdpa": ("ringlse.blocks.sdpa", "SDPA_BLOCK_OP", (*_HALF, torch.float32)),
-    "flash": ("ringlse.blocks.flash", "FLASH_BLOCK_OP", _HALF),
-    "torch": ("ringlse.blocks.torch_math", "TORCH_BLOCK_OP", (*_HALF, torch.float32, torch.float64)),
+# name -> (module, attribute holding the BlockOp, dtypes it computes, whether it takes intervals:
+# windows and documents; the op's own `takes_intervals` says the same, and a test checks they agree)
+_BACKENDS: dict[str, tuple[str, str, tuple[torch.dtype, ...], bool]] = {
+    "triton": ("ringlse.blocks.triton_kernels", "TRITON_BLOCK_OP", (*_HALF, torch.float32), False),
+    "sdpa": ("ringlse.blocks.sdpa", "SDPA_BLOCK_OP", (*_HALF, torch.float32), False),
+    "flash": ("ringlse.blocks.flash", "FLASH_BLOCK_OP", _HALF, False),
+    "torch": ("ringlse.blocks.torch_math", "TORCH_BLOCK_OP", (*_HALF, torch.float32, torch.float64), True),
 }
 # what `auto` takes on CUDA, first that can run the call
 _AUTO_CUDA = ("triton", "sdpa", "torch")
@@ -53,11 +54,16 @@ def _has_module(name: str) -> bool:
         return False
 
 
-def backend_unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str | None:
-    """Why backend `name` cannot run on `device` (with inputs of `dtype`, if given), or None."""
+def backend_unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype | None = None,
+                               masked: bool = False) -> str | None:
+    """Why backend `name` cannot run on `device` (with inputs of `dtype`, if given; with windows or
+    documents as intervals if `masked`), or None."""
     if name not in _BACKENDS:
         return f"unknown backend {name!r}"
     device = torch.device(device)
+    if masked and not _BACKENDS[name][3]:
+        takers = [n for n, entry in _BACKENDS.items() if entry[3]]
+        return f"{name} does not take windows or documents here (backends that do: {', '.join(takers)})"
     if dtype is not None and dtype not in _BACKENDS[name][2]:
         return f"{name} does not compute {dtype} (it takes {', '.join(str(d) for d in _BACKENDS[name][2])})"
     if name == "torch":
@@ -78,14 +84,17 @@ def backend_unavailable_reason(name: str, device: torch.device | str, dtype: tor
     return None
 
 
-def available_backends(device: torch.device | str, dtype: torch.dtype | None = None) -> list[str]:
-    """Names of the backends that can run on `device` (for inputs of `dtype`, if given)."""
-    return [n for n in _BACKENDS if backend_unavailable_reason(n, device, dtype) is None]
+def available_backends(device: torch.device | str, dtype: torch.dtype | None = None, masked: bool = False) -> list[str]:
+    """Names of the backends that can run on `device` (for inputs of `dtype`, if given; taking
+    windows and documents, if `masked`)."""
+    return [n for n in _BACKENDS if backend_unavailable_reason(n, device, dtype, masked) is None]
 
 
-def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torch.dtype | None = None) -> BlockOp:
+def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torch.dtype | None = None,
+                 masked: bool = False) -> BlockOp:
     """The block op for `backend` on `device` and inputs of `dtype`. `auto` is the first of `triton`,
-    `sdpa`, `torch` that can run the call on CUDA (float64: `torch`), and `torch` elsewhere. A
+    `sdpa`, `torch` that can run the call on CUDA (float64: `torch`; `masked`: one that takes
+    windows and documents as intervals), and `torch` elsewhere. A
     `BlockOp` is returned as it is (your own kernels, or a registry op on a device it is not offered
     for, such as `sdpa`'s CPU kernels in tests).
 
@@ -101,17 +110,17 @@ def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torc
     device = torch.device(device)
     if backend == "auto":
         candidates = _AUTO_CUDA if device.type == "cuda" else ("torch",)
-        name = next((n for n in candidates if backend_unavailable_reason(n, device, dtype) is None), "torch")
+        name = next((n for n in candidates if backend_unavailable_reason(n, device, dtype, masked) is None), "torch")
     else:
         name = backend
-    reason = backend_unavailable_reason(name, device, dtype)
+    reason = backend_unavailable_reason(name, device, dtype, masked)
     if reason is not None:
         raise ValueError(
             f"backend {backend!r} is not available on {device.type}"
             + (f" for {dtype}" if dtype is not None else "")
-            + f": {reason}; available here: {available_backends(device, dtype)} (or 'auto')"
+            + f": {reason}; available here: {available_backends(device, dtype, masked)} (or 'auto')"
         )
-    module, attr, _ = _BACKENDS[name]
+    module, attr, _, _ = _BACKENDS[name]
     return getattr(importlib.import_module(module), attr)
 
 

@@ -326,7 +326,8 @@ def ring_attention(
         window_size: `(left, right)` at global positions, -1 unbounded (CONVENTIONS.md §10).
         cu_seqlens: document boundaries over the *global* sequence `[0, ..., S]`, the same on every
             rank; documents need no divisibility and may cross ranks in any layout. Windows and
-            documents need a backend that takes intervals (`torch`, `triton`).
+            documents need a backend that takes intervals (`ringlse.available_backends(device,
+            masked=True)`; `auto` picks one).
         backend: block op: `auto` (`triton` on CUDA, `torch` on CPU), `triton`, `sdpa`, `flash`, `torch`,
             or a `BlockOp`.
 
@@ -350,10 +351,10 @@ def ring_attention(
     if error is None:
         try:
             scale = check_scale(softmax_scale, q.shape[-1], "ring_attention")
-            op = get_block_op(backend, q.device, q.dtype)
+            op = get_block_op(backend, q.device, q.dtype, masked=not rule.plain)
             if not rule.plain and not op.takes_intervals:
-                raise ValueError(f"ring_attention: windows and documents need a backend that takes intervals "
-                                 f"(torch, triton); the {op.name!r} backend does not")
+                raise ValueError(f"ring_attention: windows and documents need a backend that takes intervals; "
+                                 f"the {op.name!r} block op does not")
         except (ValueError, TypeError) as e:
             error = str(e)
     shapes = [*q.shape, *k.shape] if error is None else [-1] * 8
