@@ -44,7 +44,7 @@ def test_verify_passes_with_a_window_and_packed_documents():
         (("--heads", "-2"), "--heads: must be a positive integer, got -2"),
         (("--heads", "6", "--kv-heads", "4"), "--heads 6 is not a multiple of --kv-heads 4"),
         (("--window", "3"), "--window: expected L,R"),
-        (("--window", "-2,0"), "--window: window entries must be >= -1"),
+        (("--window=-2,0",), "--window: window entries must be >= -1"),
     ],
     ids=["indivisible", "indivisible-w3", "bad-backend", "seqlen-0", "nproc-0", "batch-0", "head-dim-0",
          "negative-heads", "gqa-ratio", "window-one-number", "window-below-minus-1"],
