@@ -5,6 +5,7 @@ One spawn per world size runs a whole battery of cases (spawning costs seconds o
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,7 +46,11 @@ def test_ring_matches_reference(world, tmp_path):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4], ids=lambda w: f"W{w}")
 def test_bad_inputs_raise_on_every_rank(world, tmp_path):
+    shm = Path("/dev/shm")
+    before = set(shm.glob("ringlse*")) if shm.is_dir() else set()
     per_rank = run_ranks(rw.expect_value_errors, world, tmp_path, 3, timeout=120)
+    # failing calls leave nothing behind in host shared memory
+    assert (set(shm.glob("ringlse*")) if shm.is_dir() else set()) == before
     for rank, results in enumerate(per_rank):
         for name, raised, message in results:
             assert raised, f"W={world} rank {rank}: {name}: {message}"
