@@ -9,6 +9,9 @@ block), so a block's gradients are its exact share of the full attention's gradi
 Both split their loops like the forward: tiles entirely inside the causal boundary run unmasked; only
 the boundary tiles mask; invisible tiles are never visited. Rows whose lse is -inf (they see no key
 anywhere) get P = 0 by treating their lse as +inf. Results are added into float32 accumulators.
+Interval masks: the dq kernel walks `key_lo`/`key_hi` as the forward does, the dk/dv kernel the inverse
+intervals `query_lo`/`query_hi` (the queries that see each key) the same way; rows (keys) that see
+nothing ride along through the unmasked tiles and their gradients are set to exactly 0 at the end.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from ringlse.kernels.attention_common import (
     bwd_configs,
     check_accumulator,
     check_dtype,
+    check_intervals,
     check_qkv_shapes,
     dot_precision,
+    interval_tile_range,
     last_dim_contiguous,
     launch_with_fallback,
     mask_offset,
@@ -70,35 +75,51 @@ def _dkdv_tiles(
     q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qm, stride_dom, stride_lm,
     offs_n, lo, hi, SQ, OFFSET, qk_scale,
     BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, col_lo=None, col_hi=None, gap_lo=0, gap=0, INTERVALS: tl.constexpr = False,
 ):
     """Accumulate one query head's query tiles `[lo, hi)` into this key tile's dk/dv (transposed
     formulation: `[BLOCK_N, BLOCK_M]` score tiles, so nothing but the loaded tiles gets transposed).
-    `q_ptrs` is a `[BLOCK_D, BLOCK_M]` (transposed) tile at query 0, `do_ptrs` `[BLOCK_M, BLOCK_D]`."""
+    `q_ptrs` is a `[BLOCK_D, BLOCK_M]` (transposed) tile at query 0, `do_ptrs` `[BLOCK_M, BLOCK_D]`.
+    With INTERVALS, masked tiles keep for each key the queries `[col_lo, col_hi)` that see it instead of
+    the causal rule, and the masked walk jumps over `gap` queries at `gap_lo` (see `_fwd_tiles`)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
-    q_ptrs += lo * stride_qm
-    do_ptrs += lo * stride_dom
-    for start_m in tl.range(lo, hi, BLOCK_M):
+    JUMP: tl.constexpr = INTERVALS and MASKED
+    if not JUMP:
+        q_ptrs += lo * stride_qm
+        do_ptrs += lo * stride_dom
+    for step_m in tl.range(lo, hi, BLOCK_M):
+        if JUMP:
+            start_m = step_m + tl.where(step_m >= gap_lo, gap, 0)
+            qt_ptrs = q_ptrs + start_m * stride_qm
+            dot_ptrs = do_ptrs + start_m * stride_dom
+        else:
+            start_m = step_m
+            qt_ptrs = q_ptrs
+            dot_ptrs = do_ptrs
         offs_m = start_m + offs_m0
         m_ok = offs_m < SQ
-        qt = tl.load(q_ptrs, mask=m_ok[None, :] & d_ok[:, None], other=0.0)
+        qt = tl.load(qt_ptrs, mask=m_ok[None, :] & d_ok[:, None], other=0.0)
         # rows past SQ and rows that see nothing anywhere (lse -inf): lse -> +inf makes P exactly 0
         lse = tl.load(lse_ptr + offs_m * stride_lm, mask=m_ok, other=float("-inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         st = tl.dot(k, qt, input_precision=DOT_PREC)
         pt = tl.math.exp2(st * qk_scale - lse2[None, :])
         if MASKED:
-            pt = tl.where(offs_n[:, None] <= offs_m[None, :] + OFFSET, pt, 0.0)
-        do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            if INTERVALS:
+                pt = tl.where((offs_m[None, :] >= col_lo[:, None]) & (offs_m[None, :] < col_hi[:, None]), pt, 0.0)
+            else:
+                pt = tl.where(offs_n[:, None] <= offs_m[None, :] + OFFSET, pt, 0.0)
+        do = tl.load(dot_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
         delta = tl.load(delta_ptr + offs_m * stride_lm, mask=m_ok, other=0.0)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PREC)
-        q_ptrs += BLOCK_M * stride_qm
-        do_ptrs += BLOCK_M * stride_dom
+        if not JUMP:
+            q_ptrs += BLOCK_M * stride_qm
+            do_ptrs += BLOCK_M * stride_dom
     return dk, dv
 
 
@@ -112,11 +133,14 @@ def _attn_bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    HKV, GROUP, SQ, SK, OFFSET, qk_scale, dk_scale,
+    HKV, GROUP, SQ, SK, OFFSET, qk_scale, dk_scale, QueryLo, QueryHi,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    INTERVALS: tl.constexpr,
 ):
-    """Grid `(cdiv(SK, BLOCK_N), B * HKV)`. Delta shares Lse's strides (both `[B, H, SQ]`)."""
+    """Grid `(cdiv(SK, BLOCK_N), B * HKV)`. Delta shares Lse's strides (both `[B, H, SQ]`). With
+    INTERVALS (then not CAUSAL), key `j` is seen by the queries `[QueryLo[j], QueryHi[j])` (int32
+    `[SK]`); otherwise QueryLo/QueryHi are None."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // HKV).to(tl.int64)
@@ -132,7 +156,13 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    if CAUSAL:
+    if INTERVALS:
+        # query tiles [m_lo, m_full_lo) and [m_full_hi, m_hi) are masked; every query of the tiles
+        # [m_full_lo, m_full_hi) sees every key of this tile that any query sees (no mask); keys no
+        # query sees ride along unmasked and are dropped below
+        col_lo, col_hi, m_lo, m_full_lo, m_full_hi, m_hi = interval_tile_range(
+            QueryLo, QueryHi, offs_n, offs_n < SK, SQ, BLOCK_M)
+    elif CAUSAL:
         # query i sees key j iff j <= i + OFFSET: rows before n0 - OFFSET see none of these keys;
         # rows from (last real key) - OFFSET on see all of them
         m_lo = (tl.maximum(n0 - OFFSET, 0) // BLOCK_M) * BLOCK_M
@@ -150,15 +180,34 @@ def _attn_bwd_dkdv_kernel(
         do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_m0[:, None] * stride_dos + offs_d[None, :]
         lse_ptr = Lse + off_b * stride_lb + off_h * stride_lh
         delta_ptr = Delta + off_b * stride_lb + off_h * stride_lh
-        if CAUSAL:
+        if INTERVALS:
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_ls,
-                offs_n, m_lo, m_full, SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, True, DOT_PREC,
+                offs_n, m_full_lo, m_full_hi, SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, False, DOT_PREC,
+                col_lo, col_hi, 0, 0, True,
             )
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_ls,
-            offs_n, m_full, SQ, SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, False, DOT_PREC,
-        )
+            # both masked ends in one loop, jumping over the unmasked tiles (see the forward)
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_ls,
+                offs_n, m_lo, m_hi - (m_full_hi - m_full_lo), SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, True,
+                DOT_PREC, col_lo, col_hi, m_full_lo, m_full_hi - m_full_lo, True,
+            )
+        else:
+            if CAUSAL:
+                dk, dv = _dkdv_tiles(
+                    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_ls,
+                    offs_n, m_lo, m_full, SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, True, DOT_PREC,
+                )
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_ls,
+                offs_n, m_full, SQ, SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, False, DOT_PREC,
+            )
+
+    if INTERVALS:
+        # keys no query of this block sees: exactly 0, whatever the unmasked tiles made of them
+        live = col_lo < col_hi
+        dk = tl.where(live[:, None], dk, 0.0)
+        dv = tl.where(live[:, None], dv, 0.0)
 
     # dS was computed for scores already scaled; the chain rule through S = scale * q k^T adds it here
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :]
@@ -174,38 +223,55 @@ def _dq_tiles(
     offs_m, lo, hi, SK, OFFSET, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+    row_lo=None, row_hi=None, gap_lo=0, gap=0, INTERVALS: tl.constexpr = False,
 ):
     """Accumulate key tiles `[lo, hi)` into this query tile's dq. `k_ptrs` is a `[BLOCK_N, BLOCK_D]`
-    tile at key 0 and `v_ptrs` a `[BLOCK_D, BLOCK_N]` (transposed) one."""
+    tile at key 0 and `v_ptrs` a `[BLOCK_D, BLOCK_N]` (transposed) one. With INTERVALS, masked tiles
+    keep the keys `[row_lo, row_hi)` of each row (`row_hi <= SK`) instead of the causal rule, and the
+    masked walk jumps over `gap` keys at `gap_lo` (see `_fwd_tiles`)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
-    k_ptrs += lo * stride_kn
-    v_ptrs += lo * stride_vn
-    for start_n in tl.range(lo, hi, BLOCK_N):
+    JUMP: tl.constexpr = INTERVALS and MASKED
+    if not JUMP:
+        k_ptrs += lo * stride_kn
+        v_ptrs += lo * stride_vn
+    for step_n in tl.range(lo, hi, BLOCK_N):
+        if JUMP:
+            start_n = step_n + tl.where(step_n >= gap_lo, gap, 0)
+            kt_ptrs = k_ptrs + start_n * stride_kn
+            vt_ptrs = v_ptrs + start_n * stride_vn
+        else:
+            start_n = step_n
+            kt_ptrs = k_ptrs
+            vt_ptrs = v_ptrs
         offs_n = start_n + offs_n0
         if MASKED:
             n_ok = offs_n < SK
-            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            vt = tl.load(v_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            k = tl.load(kt_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            vt = tl.load(vt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         elif BLOCK_D != HEAD_D:
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-            vt = tl.load(v_ptrs, mask=d_ok[:, None], other=0.0)
+            k = tl.load(kt_ptrs, mask=d_ok[None, :], other=0.0)
+            vt = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
         else:
-            k = tl.load(k_ptrs)
-            vt = tl.load(v_ptrs)
+            k = tl.load(kt_ptrs)
+            vt = tl.load(vt_ptrs)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
-            visible = n_ok[None, :]
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
+            if INTERVALS:
+                visible = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+            else:
+                visible = n_ok[None, :]
+                if CAUSAL:
+                    visible = visible & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not JUMP:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
     return dq
 
 
@@ -218,14 +284,15 @@ def _attn_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh, stride_ls,
     stride_dqb, stride_dqs, stride_dqh,
-    H, GROUP, SQ, SK, OFFSET, qk_scale, dq_scale,
+    H, GROUP, SQ, SK, OFFSET, qk_scale, dq_scale, KeyLo, KeyHi,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    INTERVALS: tl.constexpr,
 ):
-    """Grid `(cdiv(SQ, BLOCK_M), B * H)`."""
+    """Grid `(cdiv(SQ, BLOCK_M), B * H)`. KeyLo/KeyHi: as in the forward (None without INTERVALS)."""
     num_m = tl.num_programs(0)
     pid_m = tl.program_id(0)
-    if CAUSAL:
+    if CAUSAL or INTERVALS:
         pid_m = num_m - 1 - pid_m  # longest rows first (see the forward)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H).to(tl.int64)
@@ -249,11 +316,24 @@ def _attn_bwd_dq_kernel(
     v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + tl.arange(0, BLOCK_N)[None, :] * stride_vs + offs_d[:, None]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    n_full, n_hi = query_tile_key_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, 0, n_full, SK, OFFSET,
-                   qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, False, DOT_PREC)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, n_full, n_hi, SK, OFFSET,
-                   qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, True, DOT_PREC)
+    if INTERVALS:
+        # the forward's walk; rows that see no key of this block ride along unmasked and are dropped
+        row_lo, row_hi, n_lo, n_full_lo, n_full_hi, n_hi = interval_tile_range(
+            KeyLo, KeyHi, offs_m, m_ok, SK, BLOCK_N)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, n_full_lo, n_full_hi,
+                       SK, OFFSET, qk_scale, BLOCK_N, HEAD_D, BLOCK_D, False, False, DOT_PREC, row_lo, row_hi, 0, 0,
+                       True)
+        gap = n_full_hi - n_full_lo
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, n_lo, n_hi - gap, SK,
+                       OFFSET, qk_scale, BLOCK_N, HEAD_D, BLOCK_D, False, True, DOT_PREC, row_lo, row_hi, n_full_lo,
+                       gap, True)
+        dq = tl.where((row_lo < row_hi)[:, None], dq, 0.0)
+    else:
+        n_full, n_hi = query_tile_key_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, 0, n_full, SK, OFFSET,
+                       qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, False, DOT_PREC)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, n_full, n_hi, SK,
+                       OFFSET, qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, True, DOT_PREC)
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
     tl.store(dq_ptrs, tl.load(dq_ptrs, mask=md_mask, other=0.0) + dq * dq_scale, mask=md_mask)
@@ -280,12 +360,16 @@ def _backward_impl(
     dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc, *,
     qk_scale: float, dq_scale: float, dk_scale: float, causal: bool, offset: int,
     config: BwdConfig | None = None,
+    key_lo: torch.Tensor | None = None, key_hi: torch.Tensor | None = None,
+    query_lo: torch.Tensor | None = None, query_hi: torch.Tensor | None = None,
 ) -> None:
     """Launch the dk/dv and dq kernels. `delta` must have `lse`'s strides, `offset` be a 32-bit
-    `mask_offset`, `qk_scale >= 0` and `sq, sk > 0`."""
+    `mask_offset`, `qk_scale >= 0` and `sq, sk > 0`; with intervals (all four, contiguous int32, see
+    `attention_backward`), `causal` is False."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bd = block_d(d)
+    intervals = key_lo is not None
 
     def launch_dkdv(cfg: BwdConfig) -> None:
         grid = (cdiv(sk, cfg.kv_block_n), b * hkv)
@@ -298,9 +382,9 @@ def _backward_impl(
             lse.stride(0), lse.stride(1), lse.stride(2),
             dk_acc.stride(0), dk_acc.stride(1), dk_acc.stride(2),
             dv_acc.stride(0), dv_acc.stride(1), dv_acc.stride(2),
-            hkv, h // hkv, sq, sk, offset, qk_scale, dk_scale,
+            hkv, h // hkv, sq, sk, offset, qk_scale, dk_scale, query_lo, query_hi,
             HEAD_D=d, BLOCK_D=bd, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, CAUSAL=causal,
-            DOT_PREC=dot_precision(q.dtype),
+            DOT_PREC=dot_precision(q.dtype), INTERVALS=intervals,
             num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
         )
 
@@ -314,9 +398,9 @@ def _backward_impl(
             dout.stride(0), dout.stride(1), dout.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2),
             dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
-            h, h // hkv, sq, sk, offset, qk_scale, dq_scale,
+            h, h // hkv, sq, sk, offset, qk_scale, dq_scale, key_lo, key_hi,
             HEAD_D=d, BLOCK_D=bd, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, CAUSAL=causal,
-            DOT_PREC=dot_precision(q.dtype),
+            DOT_PREC=dot_precision(q.dtype), INTERVALS=intervals,
             num_warps=cfg.q_warps, num_stages=cfg.q_stages,
         )
 
@@ -324,8 +408,9 @@ def _backward_impl(
         launch_dkdv(config)
         launch_dq(config)
         return
-    key = (d, q.dtype, causal, q.device.index)
-    configs = bwd_configs(d, q.dtype, causal)
+    key = (d, q.dtype, causal, q.device.index, intervals)
+    # interval masks take the causal configs (masked tiles at the edges, like a causal block)
+    configs = bwd_configs(d, q.dtype, causal or intervals)
     launch_with_fallback(DKDV_CHOSEN, key, configs, launch_dkdv)
     launch_with_fallback(DQ_CHOSEN, key, configs, launch_dq)
 
@@ -372,6 +457,10 @@ def attention_backward(
     dk_acc: torch.Tensor,
     dv_acc: torch.Tensor,
     lse_grad: torch.Tensor | None = None,
+    key_lo: torch.Tensor | None = None,
+    key_hi: torch.Tensor | None = None,
+    query_lo: torch.Tensor | None = None,
+    query_hi: torch.Tensor | None = None,
 ) -> None:
     """Add one block's attention gradients into float32 accumulators (the backward of the block-op
     contract, `ringlse.blocks.contract`).
@@ -392,9 +481,18 @@ def attention_backward(
         dq_acc: float32 `[b, sq, h, d]`; dk_acc, dv_acc: float32 `[b, sk, hkv, d]` (views allowed, last
             dim contiguous); this block's gradients are added in place.
         lse_grad: unused: the block-op contract has it folded into `delta` already.
+        key_lo, key_hi, query_lo, query_hi: optional, all four or none: an interval mask (see
+            `attention_forward`). `key_lo`, `key_hi`: int32 `[sq]`, query `i` sees keys
+            `[key_lo[i], key_hi[i])` (the dq kernel walks these); `query_lo`, `query_hi`: int32 `[sk]`,
+            the inverse intervals, key `j` is seen by queries `[query_lo[j], query_hi[j])` (the dk/dv
+            kernel walks these). The caller guarantees they describe the same mask (`key_lo[i] <= j <
+            key_hi[i]` iff `query_lo[j] <= i < query_hi[j]`) and the forward's: both then give a
+            block's exact gradients. Bounds are clamped to `[0, sk]` and `[0, sq]`. Then `causal`
+            must be False and `q_start`/`k_start` are ignored.
 
     Raises:
-        ValueError: float64 or other unsupported dtypes, mismatched shapes, bad accumulators.
+        ValueError: float64 or other unsupported dtypes, mismatched shapes, bad accumulators, bad
+            intervals (or only some of the four) or intervals with `causal=True`.
     """
     what = "attention_backward"
     check_dtype(q, what)
@@ -408,6 +506,14 @@ def attention_backward(
     check_accumulator(dq_acc, q.shape, q.device, what, "dq_acc")
     check_accumulator(dk_acc, k.shape, k.device, what, "dk_acc")
     check_accumulator(dv_acc, v.shape, v.device, what, "dv_acc")
+    given = [t is not None for t in (key_lo, key_hi, query_lo, query_hi)]
+    if any(given) and not all(given):
+        raise ValueError(f"{what}: pass all of key_lo, key_hi, query_lo, query_hi, or none")
+    if key_lo is not None:
+        if causal:
+            raise ValueError(f"{what}: the intervals already hold the causal rule; pass causal=False")
+        key_lo, key_hi = check_intervals(key_lo, key_hi, sq, q.device, what, "key_lo/key_hi")
+        query_lo, query_hi = check_intervals(query_lo, query_hi, sk, q.device, what, "query_lo/query_hi")
     if b * h * sq == 0 or sk == 0:
         return
     q, k, v, dout = (last_dim_contiguous(t) for t in (q, k, v, dout))
@@ -428,4 +534,5 @@ def attention_backward(
         dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc,
         qk_scale=abs(scale) * LOG2E, dq_scale=dq_scale, dk_scale=dk_scale,
         causal=causal, offset=mask_offset(causal, sq, sk, q_start, k_start),
+        key_lo=key_lo, key_hi=key_hi, query_lo=query_lo, query_hi=query_hi,
     )

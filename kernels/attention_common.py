@@ -6,6 +6,13 @@ Masking (CONVENTIONS.md §4): key `j` is visible to query `i` iff `k_start + j <
 `j <= i + offset` with `offset = q_start - k_start`. The kernels take `offset` and a `CAUSAL` flag
 only; which blocks to run, and which of them need the mask, the caller decides (see
 `attention_forward`).
+
+Interval masks (CONVENTIONS.md §10: causal x sliding window x packed documents at global positions):
+any mask in which query row `i` of a block sees the keys `[key_lo[i], key_hi[i])` (local indices, empty
+when `key_lo[i] >= key_hi[i]`). The kernels take the int32 bound vectors (never a dense mask) under an
+`INTERVALS` constexpr, so the kernels without them compile to the same code as before they existed.
+`interval_tile_range` splits a program's walk into masked tiles at both ends and unmasked ones in the
+middle; the backward's dk/dv kernel uses it on the inverse intervals (the query rows that see a key).
 """
 
 from __future__ import annotations
@@ -37,6 +44,40 @@ def query_tile_key_range(m0, SK, OFFSET, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
         n_hi = SK
         n_full = n_even
     return n_full, n_hi
+
+
+@triton.jit
+def interval_tile_range(Lo, Hi, offs, ok, LIMIT, BLOCK: tl.constexpr):
+    """The walk of a program whose rows `offs` (those with `ok`) see the columns `[Lo[r], Hi[r])` of
+    `[0, LIMIT)` (forward and dq: query rows seeing keys; dk/dv: key rows seen by queries), over column
+    tiles of `BLOCK`.
+
+    Returns `(lo, hi, start, full_lo, full_hi, end)`: the rows' bounds clamped to `[0, LIMIT]` (rows
+    without `ok` get `lo = hi = 0`), so that a row is live (sees something) iff `lo < hi`; column tiles
+    `[start, full_lo)` and `[full_hi, end)` are masked (each row keeps `lo <= column < hi`), tiles
+    `[full_lo, full_hi)` are seen whole by every live row (no mask), columns before `start` or from
+    `end` on are seen by no live row (never visited; columns inside `[start, end)` that no row sees,
+    a gap between the intervals of two rows, are visited masked). Only live rows count: rows with an
+    empty interval may hold any bounds (they need not follow the others' order); the caller lets them
+    ride along through the unmasked tiles and discards what they computed (`lo < hi`) at the end. No
+    live row: every range is empty."""
+    lo = tl.load(Lo + offs, mask=ok, other=0)
+    hi = tl.load(Hi + offs, mask=ok, other=0)
+    lo = tl.maximum(lo, 0)
+    hi = tl.minimum(hi, LIMIT)
+    live = ok & (lo < hi)
+    lo_min = tl.min(tl.where(live, lo, LIMIT), 0)
+    lo_max = tl.max(tl.where(live, lo, 0), 0)
+    hi_min = tl.min(tl.where(live, hi, LIMIT), 0)
+    end = tl.max(tl.where(live, hi, 0), 0)
+    start = (lo_min // BLOCK) * BLOCK
+    # tiles inside [max lo, min hi): every live row sees them whole (hi <= LIMIT keeps them in bounds)
+    full_lo = tl.maximum(((lo_max + BLOCK - 1) // BLOCK) * BLOCK, start)
+    full_hi = tl.minimum((hi_min // BLOCK) * BLOCK, end)
+    has_full = full_lo < full_hi
+    full_lo = tl.where(has_full, full_lo, start)
+    full_hi = tl.where(has_full, full_hi, start)
+    return lo, hi, start, full_lo, full_hi, end
 
 
 def mask_offset(causal: bool, seqlen_q: int, seqlen_k: int, q_start: int, k_start: int) -> int:
@@ -172,6 +213,16 @@ def launch_with_fallback(chosen: dict, key: tuple, configs: list, launch) -> Non
 
 # ---------------------------------------------------------------------------------------------------
 # argument checks
+
+
+def check_intervals(lo: torch.Tensor, hi: torch.Tensor, n: int, device: torch.device, what: str,
+                    names: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interval bounds: int32 `[n]` on `device` each (made contiguous)."""
+    for name, t in zip(names.split("/"), (lo, hi)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (n,) or t.device != device:
+            desc = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{what}: {name} must be an int32 tensor of shape ({n},) on {device}, got {desc}")
+    return lo.contiguous(), hi.contiguous()
 
 
 def check_dtype(t: torch.Tensor, what: str) -> None:

@@ -8,6 +8,13 @@ masking; tiles no row sees are never visited. With accumulators the epilogue fol
 into the block's own online-softmax state (CONVENTIONS.md §3, `ringlse.kernels.merge_math`), so one
 ring step is one kernel.
 
+Interval masks (`key_lo`/`key_hi`, CONVENTIONS.md §10: windows and packed documents at global positions,
+causal included): query row `i` sees the keys `[key_lo[i], key_hi[i])`. A program visits the key tiles
+from its rows' smallest `key_lo` to their largest `key_hi`; the tiles inside every row's interval run
+unmasked, the others (at both ends, in one loop that jumps over the unmasked ones) mask per row. Rows
+that see no key of the block ride along through the unmasked tiles and are reset to the empty state at
+the end. Behind the `INTERVALS` constexpr: without intervals the kernel compiles as before.
+
 Precision: bf16/fp16 operands with float32 accumulation. float32 inputs use 3-pass TF32 tensor-core
 dots (`input_precision="tf32x3"`): plain TF32 missed CONVENTIONS.md §7's float32 bound (1e-3 * max|ref|).
 """
@@ -25,9 +32,11 @@ from ringlse.kernels.attention_common import (
     block_d,
     check_accumulator,
     check_dtype,
+    check_intervals,
     check_qkv_shapes,
     dot_precision,
     fwd_configs,
+    interval_tile_range,
     last_dim_contiguous,
     launch_with_fallback,
     mask_offset,
@@ -48,27 +57,45 @@ def _fwd_tiles(
     offs_m, offs_d, lo, hi, SK, OFFSET, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+    row_lo=None, row_hi=None, gap_lo=0, gap=0, INTERVALS: tl.constexpr = False,
 ):
     """Online softmax over key tiles `[lo, hi)`; `k_ptrs` is a `[BLOCK_D, BLOCK_N]` (transposed) tile
-    at key 0, `v_ptrs` a `[BLOCK_N, BLOCK_D]` tile at key 0."""
+    at key 0, `v_ptrs` a `[BLOCK_N, BLOCK_D]` tile at key 0. With INTERVALS, masked tiles keep the keys
+    `[row_lo, row_hi)` of each row (`row_hi <= SK`) instead of the causal rule, and the masked walk
+    jumps over `gap` keys at `gap_lo` (the unmasked tiles in the middle): one masked loop serves both
+    ends (two masked loops took ~30 more registers per thread at d=64: ptxas, sm_90)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_D
-    k_ptrs += lo * stride_kn
-    v_ptrs += lo * stride_vn
-    for start_n in tl.range(lo, hi, BLOCK_N):
+    JUMP: tl.constexpr = INTERVALS and MASKED
+    if not JUMP:
+        k_ptrs += lo * stride_kn
+        v_ptrs += lo * stride_vn
+    for step_n in tl.range(lo, hi, BLOCK_N):
+        if JUMP:
+            start_n = step_n + tl.where(step_n >= gap_lo, gap, 0)
+            kt_ptrs = k_ptrs + start_n * stride_kn
+            vt_ptrs = v_ptrs + start_n * stride_vn
+        else:
+            start_n = step_n
+            kt_ptrs = k_ptrs
+            vt_ptrs = v_ptrs
         offs_n = start_n + offs_n0
         if MASKED:
             n_ok = offs_n < SK
-            kt = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         elif BLOCK_D != HEAD_D:
-            kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
         else:
-            kt = tl.load(k_ptrs)
+            kt = tl.load(kt_ptrs)
         qk = tl.dot(q, kt, input_precision=DOT_PREC)
         if MASKED:
-            visible = n_ok[None, :]
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
+            if INTERVALS:
+                # row_hi <= SK: the key tail is masked too
+                visible = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+            else:
+                visible = n_ok[None, :]
+                if CAUSAL:
+                    visible = visible & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             # a row that has seen no key yet keeps max -inf: subtract 0 instead so that
@@ -85,15 +112,16 @@ def _fwd_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if MASKED:
-            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(vt_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         elif BLOCK_D != HEAD_D:
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(vt_ptrs, mask=d_ok[None, :], other=0.0)
         else:
-            v = tl.load(v_ptrs)
+            v = tl.load(vt_ptrs)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not JUMP:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -114,16 +142,18 @@ def _attn_fwd_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, stride_ls,
-    H, GROUP, SQ, SK, OFFSET, qk_scale,
+    H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, ACCUM: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, ACCUM: tl.constexpr, DOT_PREC: tl.constexpr, INTERVALS: tl.constexpr,
 ):
     """Grid `(cdiv(SQ, BLOCK_M), B * H)`. `qk_scale` = softmax_scale * log2(e). With ACCUM, `Out`/`Lse`
-    are the float32 running state, read and merged in place; otherwise fresh outputs."""
+    are the float32 running state, read and merged in place; otherwise fresh outputs. With INTERVALS
+    (then not CAUSAL), query `i` sees the keys `[KeyLo[i], KeyHi[i])` (int32 `[SQ]`); otherwise
+    KeyLo/KeyHi are None."""
     num_m = tl.num_programs(0)
     pid_m = tl.program_id(0)
-    if CAUSAL:
+    if CAUSAL or INTERVALS:
         # the last query tiles see the most keys: start them first so the short ones fill the tail
         pid_m = num_m - 1 - pid_m
     pid_bh = tl.program_id(1)
@@ -147,16 +177,38 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # key tiles [0, n_full) need no mask; [n_full, n_hi) are cut by the causal boundary or the key tail
-    n_full, n_hi = query_tile_key_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, 0, n_full, SK, OFFSET,
-        qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, False, DOT_PREC,
-    )
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, n_full, n_hi, SK, OFFSET,
-        qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, True, DOT_PREC,
-    )
+    if INTERVALS:
+        # key tiles [n_lo, n_full_lo) and [n_full_hi, n_hi) are masked, [n_full_lo, n_full_hi) are seen
+        # whole by every row with keys; rows without keys ride along unmasked and are dropped below
+        row_lo, row_hi, n_lo, n_full_lo, n_full_hi, n_hi = interval_tile_range(
+            KeyLo, KeyHi, offs_m, m_ok, SK, BLOCK_N)
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, n_full_lo, n_full_hi, SK,
+            OFFSET, qk_scale, BLOCK_N, HEAD_D, BLOCK_D, False, False, DOT_PREC, row_lo, row_hi, 0, 0, True,
+        )
+        # both masked ends in one loop: [n_lo, n_full_lo), then a jump over the unmasked tiles
+        gap = n_full_hi - n_full_lo
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, n_lo, n_hi - gap, SK, OFFSET,
+            qk_scale, BLOCK_N, HEAD_D, BLOCK_D, False, True, DOT_PREC, row_lo, row_hi, n_full_lo, gap, True,
+        )
+        # rows that see no key of this block: the empty state (-inf, 0, 0), whatever they computed
+        # (`live` recomputed here rather than kept from the range: 7 registers fewer at d=64, sm_90)
+        live = row_lo < row_hi
+        m_i = tl.where(live, m_i, float("-inf"))
+        l_i = tl.where(live, l_i, 0.0)
+        acc = tl.where(live[:, None], acc, 0.0)
+    else:
+        # key tiles [0, n_full) need no mask; [n_full, n_hi) are cut by the causal boundary or the key tail
+        n_full, n_hi = query_tile_key_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, 0, n_full, SK, OFFSET,
+            qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, False, DOT_PREC,
+        )
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, n_full, n_hi, SK, OFFSET,
+            qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, True, DOT_PREC,
+        )
 
     if ACCUM:
         # the running state (lse in base e) is one more state to fold into this block's (m_i, l_i, acc)
@@ -201,14 +253,17 @@ def _forward_impl(
     offset: int,
     accum: bool,
     config: FwdConfig | None = None,
+    key_lo: torch.Tensor | None = None,
+    key_hi: torch.Tensor | None = None,
 ) -> None:
     """Launch the forward kernel writing (or merging into, with `accum`) `out`/`lse`. The caller has
     validated the arguments, made `softmax_scale >= 0` and `offset` a 32-bit `mask_offset`, and
-    `sq, sk > 0`."""
+    `sq, sk > 0`; with `key_lo`/`key_hi` (contiguous int32 `[sq]`), `causal` is False."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bd = block_d(d)
     qk_scale = softmax_scale * LOG2E
+    intervals = key_lo is not None
 
     def launch(cfg: FwdConfig) -> None:
         grid = (cdiv(sq, cfg.block_m), b * h)
@@ -219,17 +274,18 @@ def _forward_impl(
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2),
-            h, h // hkv, sq, sk, offset, qk_scale,
+            h, h // hkv, sq, sk, offset, qk_scale, key_lo, key_hi,
             HEAD_D=d, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=causal, ACCUM=accum, DOT_PREC=dot_precision(q.dtype),
+            CAUSAL=causal, ACCUM=accum, DOT_PREC=dot_precision(q.dtype), INTERVALS=intervals,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     if config is not None:
         launch(config)
         return
-    key = (d, q.dtype, causal, accum, q.device.index)
-    launch_with_fallback(FWD_CHOSEN, key, fwd_configs(d, q.dtype, causal), launch)
+    key = (d, q.dtype, causal, accum, q.device.index, intervals)
+    # interval masks take the causal configs (masked tiles at the edges, like a causal block)
+    launch_with_fallback(FWD_CHOSEN, key, fwd_configs(d, q.dtype, causal or intervals), launch)
 
 
 def attention_forward(
@@ -243,6 +299,8 @@ def attention_forward(
     k_start: int,
     out_acc: torch.Tensor | None = None,
     lse_acc: torch.Tensor | None = None,
+    key_lo: torch.Tensor | None = None,
+    key_hi: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block attention forward (the forward of the block-op contract, `ringlse.blocks.contract`).
 
@@ -264,6 +322,15 @@ def attention_forward(
         causal: mask key `j` unless `k_start + j <= q_start + i` (query `i`).
         q_start, k_start: global positions of query 0 and key 0 (any integers); only their difference
             matters, and only with `causal`.
+        key_lo, key_hi: optional int32 `[sq]` on q's device, both or neither: an interval mask
+            (CONVENTIONS.md §10: causal, sliding windows, packed documents): query `i` sees exactly the
+            keys `j` with `key_lo[i] <= j < key_hi[i]` (local indices; none where `key_lo[i] >=
+            key_hi[i]`; bounds outside `[0, sk]` are clamped to it). Then `causal` must be False (the
+            intervals hold the causal rule) and `q_start`/`k_start` are ignored. Over the rows with a
+            non-empty interval both bounds should be non-decreasing in `i` (any bounds give the right
+            result; monotone ones keep the masked tiles to the edges of each query tile). Key tiles no
+            row of a query tile sees outside `[min key_lo, max key_hi)` of its rows are not visited;
+            tiles every row with keys sees whole run unmasked.
         out_acc: optional float32 `[b, sq, h, d]` running output (may be a strided view, last dim
             contiguous).
         lse_acc: optional float32 `[b, h, sq]` running lse (natural log; any strides).
@@ -275,7 +342,8 @@ def attention_forward(
         are returned.
 
     Raises:
-        ValueError: float64 or other unsupported dtypes, mismatched shapes, bad accumulators.
+        ValueError: float64 or other unsupported dtypes, mismatched shapes, bad accumulators, bad
+            intervals or intervals with `causal=True`.
     """
     check_dtype(q, "attention_forward")
     check_qkv_shapes(q, k, v, "attention_forward")
@@ -283,6 +351,12 @@ def attention_forward(
         raise ValueError("attention_forward: pass both out_acc and lse_acc, or neither")
     b, sq, h, d = q.shape
     sk = k.shape[1]
+    if (key_lo is None) != (key_hi is None):
+        raise ValueError("attention_forward: pass both key_lo and key_hi, or neither")
+    if key_lo is not None:
+        if causal:
+            raise ValueError("attention_forward: key_lo/key_hi already hold the causal rule; pass causal=False")
+        key_lo, key_hi = check_intervals(key_lo, key_hi, sq, q.device, "attention_forward", "key_lo/key_hi")
     accum = out_acc is not None
     if accum:
         check_state(out_acc, lse_acc, q, "attention_forward")
@@ -304,6 +378,6 @@ def attention_forward(
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     _forward_impl(
         q, k, v, out, lse, softmax_scale=scale, causal=causal,
-        offset=mask_offset(causal, sq, sk, q_start, k_start), accum=accum,
+        offset=mask_offset(causal, sq, sk, q_start, k_start), accum=accum, key_lo=key_lo, key_hi=key_hi,
     )
     return out, lse

@@ -166,3 +166,13 @@ def test_ring_with_windows_and_documents_matches_the_oracle(world, tmp_path):
     per_rank = run_ranks(rw.masked_rings, world, tmp_path, _masked_cases(world), timeout=300)
     failures = [f for fs in per_rank for f in fs]
     assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; the GPU suite covers compiled kernels")
+def test_ring_with_windows_and_documents_on_triton_kernels(tmp_path):
+    """The masked ring through the Triton op (under the interpreter: float32), every layout, W = 2."""
+    pytest.importorskip("triton")
+    cases = [dict(c, dtype=torch.float32, backend="triton") for c in _masked_cases(2)[::2]]
+    per_rank = run_ranks(rw.masked_rings, 2, tmp_path, cases, timeout=400)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures[:10])

@@ -26,7 +26,7 @@ _HALF = (torch.bfloat16, torch.float16)
 # name -> (module, attribute holding the BlockOp, dtypes it computes, whether it takes intervals:
 # windows and documents; the op's own `takes_intervals` says the same, and a test checks they agree)
 _BACKENDS: dict[str, tuple[str, str, tuple[torch.dtype, ...], bool]] = {
-    "triton": ("ringlse.blocks.triton_kernels", "TRITON_BLOCK_OP", (*_HALF, torch.float32), False),
+    "triton": ("ringlse.blocks.triton_kernels", "TRITON_BLOCK_OP", (*_HALF, torch.float32), True),
     "sdpa": ("ringlse.blocks.sdpa", "SDPA_BLOCK_OP", (*_HALF, torch.float32), False),
     "flash": ("ringlse.blocks.flash", "FLASH_BLOCK_OP", _HALF, False),
     "torch": ("ringlse.blocks.torch_math", "TORCH_BLOCK_OP", (*_HALF, torch.float32, torch.float64), True),

@@ -1,16 +1,37 @@
 """The `triton` block op: ringlse's Triton kernels (`ringlse.kernels.attention_fwd` / `_bwd`) behind
 the block-op contract. The kernels take plain tensors and integers; the contract's callers already
 skip blocks with nothing visible and pass `causal=True` only where a causal boundary crosses the
-block (`ringlse.masks.block_kind`), which is what the kernels ask of their callers."""
+block (`ringlse.masks.block_kind`), which is what the kernels ask of their callers. Windows and
+documents arrive as `intervals` (`ringlse.masks.Intervals`) and go to the kernels as per-row int32
+bounds on the inputs' device."""
 
 from __future__ import annotations
 
 from ringlse.blocks.contract import BlockOp
 from ringlse.kernel_import import kernel_module
+from ringlse.masks import Intervals
 
 _fwd = kernel_module("attention_fwd")
 _bwd = kernel_module("attention_bwd")
 if _fwd is None or _bwd is None:
     raise ImportError("the triton backend needs Triton and the installed ringlse.kernels")
 
-TRITON_BLOCK_OP = BlockOp("triton", _fwd.attention_forward, _bwd.attention_backward, delta=_bwd.attention_delta)
+
+def _on(device, x):
+    return x.to(device, non_blocking=True)
+
+
+def triton_block_forward(q, k, v, *, intervals: Intervals | None = None, **block):
+    if intervals is not None:
+        block.update(key_lo=_on(q.device, intervals.key_lo), key_hi=_on(q.device, intervals.key_hi))
+    return _fwd.attention_forward(q, k, v, **block)
+
+
+def triton_block_backward(dout, q, k, v, out, lse, delta, *, intervals: Intervals | None = None, **block) -> None:
+    if intervals is not None:
+        block.update({name: _on(q.device, getattr(intervals, name)) for name in Intervals._fields})
+    _bwd.attention_backward(dout, q, k, v, out, lse, delta, **block)
+
+
+TRITON_BLOCK_OP = BlockOp("triton", triton_block_forward, triton_block_backward, delta=_bwd.attention_delta,
+                          takes_intervals=True)
