@@ -175,7 +175,8 @@ def test_property_random_documents_and_windows(case):
     _check(ours, ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16,
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.gpu)], ids=["fp32", "fp16", "bf16"])
 def test_triton_kernels_take_windows_and_documents(dtype, device):
     """The Triton op through the public API (under the interpreter on CPU: fp32/fp16), judged by
     CONVENTIONS.md §7 against the oracle; bf16 runs on the GPU."""

@@ -1,0 +1,176 @@
+"""Block attention under windows and packed documents on one GPU: TFLOP/s over *visible* pairs.
+
+bf16, batch 1, 32 heads, head dim 128, S = 32K, causal. Inputs: dense causal; 8 documents of 4K; 64
+of 512; log-uniform document lengths in [256, 8K]; windows of 1K, 4K, 8K. Ours: the `triton` block op
+with the mask's per-row intervals (computed once, on the GPU, as `ringlse.masks.block_intervals`
+does for every call; their cost is timed apart); dense causal through the plain causal path. Peer,
+with --flex: PyTorch's FlexAttention (compiled, block mask) on the same inputs, in the same process.
+FLOPs: 4 * B * H * D * visible pairs (forward), 2.5x that (backward). Times: triton.testing.do_bench
+medians.
+
+Usage: python3 benchmarks/masked_attention.py [--out DIR] [--flex] [--seqlen S]
+    writes DIR/masked_attention-<gpu>.json and .png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+from triton.testing import do_bench
+
+import ringlse
+from ringlse.masks import Rule, Span, block_intervals
+
+
+def log_uniform_documents(seqlen: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    bounds = [0]
+    while bounds[-1] < seqlen:
+        u = torch.rand(1, generator=gen).item()
+        bounds.append(min(seqlen, bounds[-1] + int(math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo))))))
+    return tuple(bounds)
+
+
+def inputs(s: int) -> dict[str, Rule]:
+    return {
+        "dense causal": Rule(True),
+        "8 documents of 4K": Rule(True, docs=tuple(range(0, s + 1, s // 8))),
+        "64 documents of 512": Rule(True, docs=tuple(range(0, s + 1, s // 64))),
+        "log-uniform documents 256-8K": Rule(True, docs=log_uniform_documents(s, 256, 8192, 0)),
+        "window 1K": Rule(True, window=(1024, 0)),
+        "window 4K": Rule(True, window=(4096, 0)),
+        "window 8K": Rule(True, window=(8192, 0)),
+    }
+
+
+def time_ours(q, k, v, rule: Rule):
+    op = ringlse.get_block_op("triton", q.device, q.dtype, masked=True)
+    s = q.shape[1]
+    if rule.plain:
+        block, iv_ms = dict(causal=True, q_start=0, k_start=0), 0.0
+    else:
+        iv_ms = do_bench(lambda: block_intervals(rule, Span(0, s), Span(0, s), device=q.device), return_mode="median")
+        block = dict(causal=False, q_start=0, k_start=0, intervals=block_intervals(rule, Span(0, s), Span(0, s), q.device))
+    scale = q.shape[-1] ** -0.5
+    fwd_ms = do_bench(lambda: op.forward(q, k, v, softmax_scale=scale, **block), return_mode="median")
+    out, lse = op.forward(q, k, v, softmax_scale=scale, **block)
+    dout = torch.randn_like(q)
+    delta = op.compute_delta(dout, out)
+    acc = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)]
+
+    def bwd():
+        for a in acc:
+            a.zero_()
+        op.backward(dout, q, k, v, out, lse, delta, softmax_scale=scale, **block, dq_acc=acc[0], dk_acc=acc[1],
+                    dv_acc=acc[2])
+    bwd_ms = do_bench(bwd, return_mode="median")
+    zero_ms = do_bench(lambda: [a.zero_() for a in acc], return_mode="median")
+    return fwd_ms, bwd_ms - zero_ms, iv_ms
+
+
+def time_flex(q, k, v, rule: Rule):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    s = q.shape[1]
+    docs = None if rule.docs is None else torch.tensor(rule.docs, device=q.device)
+    doc_id = None if docs is None else torch.searchsorted(docs, torch.arange(s, device=q.device), right=True)
+    left = rule.window[0]
+
+    def mask_mod(b, h, qi, ki):
+        ok = ki <= qi
+        if left >= 0:
+            ok = ok & (ki >= qi - left)
+        if doc_id is not None:
+            ok = ok & (doc_id[qi] == doc_id[ki])
+        return ok
+
+    bm = create_block_mask(mask_mod, None, None, s, s, device=q.device)
+    flex = torch.compile(flex_attention, dynamic=False)
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    fwd_ms = do_bench(lambda: flex(qt, kt, vt, block_mask=bm), return_mode="median")
+    o = flex(qt, kt, vt, block_mask=bm)
+    g = torch.randn_like(o)
+    bwd_ms = do_bench(lambda: torch.autograd.grad(o, (qt, kt, vt), g, retain_graph=True), return_mode="median")
+    return fwd_ms, bwd_ms
+
+
+def visible_pairs(rule: Rule, s: int) -> int:
+    lo, hi = rule.key_bounds(torch.arange(s))
+    return int((hi.clamp(max=s) - lo.clamp(min=0)).clamp(min=0).sum())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--seqlen", type=int, default=32768)
+    ap.add_argument("--flex", action="store_true", help="also time FlexAttention (compiled) on the same inputs")
+    args = ap.parse_args()
+    b, h, d, s = 1, 32, 128, args.seqlen
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    rows = []
+    for name, rule in inputs(s).items():
+        pairs = visible_pairs(rule, s)
+        flop = 4 * b * h * d * pairs
+        fwd, bwd, iv = time_ours(q, k, v, rule)
+        row = dict(input=name, docs=len(rule.docs) - 1 if rule.docs else 1, window=rule.window, visible_pairs=pairs,
+                   ours_fwd_ms=fwd, ours_bwd_ms=bwd, intervals_ms=iv, ours_fwd_tflops=flop / fwd / 1e9,
+                   ours_bwd_tflops=2.5 * flop / bwd / 1e9)
+        if args.flex:
+            try:
+                ffwd, fbwd = time_flex(q, k, v, rule)
+                row.update(flex_fwd_ms=ffwd, flex_bwd_ms=fbwd, flex_fwd_tflops=flop / ffwd / 1e9,
+                           flex_bwd_tflops=2.5 * flop / fbwd / 1e9)
+            except Exception as e:  # a peer that fails is recorded, not fatal
+                row.update(flex_error=str(e).splitlines()[0][:200])
+        rows.append(row)
+        print(f"{name:<30} fwd {row['ours_fwd_tflops']:6.1f} bwd {row['ours_bwd_tflops']:6.1f} TFLOP/s "
+              f"(intervals {iv:.3f} ms)" + (f" | flex fwd {row['flex_fwd_tflops']:6.1f} bwd {row['flex_bwd_tflops']:6.1f}"
+                                            if "flex_fwd_tflops" in row else ""), flush=True)
+    dense = rows[0]
+    for row in rows:
+        row["fwd_vs_own_dense"] = row["ours_fwd_tflops"] / dense["ours_fwd_tflops"]
+        row["bwd_vs_own_dense"] = row["ours_bwd_tflops"] / dense["ours_bwd_tflops"]
+        if "flex_fwd_tflops" in row and "flex_fwd_tflops" in dense:
+            row["fwd_vs_flex"] = row["ours_fwd_tflops"] / row["flex_fwd_tflops"]
+            row["bwd_vs_flex"] = row["ours_bwd_tflops"] / row["flex_bwd_tflops"]
+    gpu = torch.cuda.get_device_name()
+    import triton
+    result = dict(benchmark="masked_attention", gpu=gpu, torch=torch.__version__, triton=triton.__version__,
+                  command="python3 benchmarks/masked_attention.py" + (" --flex" if args.flex else ""),
+                  date=time.strftime("%Y-%m-%dT%H:%M:%S"), shape=dict(batch=b, heads=h, head_dim=d, seqlen=s),
+                  dtype="bfloat16", flops="4*B*H*D*visible pairs; backward 2.5x", rows=rows)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"masked_attention-{gpu.replace(' ', '_')}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, 4))
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r["ours_fwd_tflops"] for r in rows], 0.2, label="ours fwd")
+        ax.bar([i for i in x], [r["ours_bwd_tflops"] for r in rows], 0.2, label="ours bwd")
+        if all("flex_fwd_tflops" in r for r in rows):
+            ax.bar([i + 0.2 for i in x], [r["flex_fwd_tflops"] for r in rows], 0.2, label="flex fwd")
+        ax.set_xticks(list(x), [r["input"] for r in rows], rotation=20, ha="right", fontsize=7)
+        ax.set_ylabel("TFLOP/s over visible pairs")
+        ax.set_title(f"{gpu}, bf16, 32 heads x d 128, S {s}, causal")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(stem + ".png", dpi=110)
+    except ImportError:
+        pass
+    print(f"wrote {stem}.json")
+
+
+if __name__ == "__main__":
+    main()
