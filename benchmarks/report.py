@@ -42,6 +42,21 @@ def block_attention(d: dict) -> list[str]:
     return lines
 
 
+def masked_attention(d: dict) -> list[str]:
+    sh = d["shape"]
+    lines = [f"**Masked block attention** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}; `{d['command']}`), "
+             f"bf16, {sh['batch']}×{sh['heads']} heads × d {sh['head_dim']}, S {sh['seqlen']}, causal; TFLOP/s over "
+             "visible pairs, ours through per-row intervals; ratio to our own dense causal figure:", "",
+             "| input | ours fwd | ours bwd | fwd / dense | bwd / dense | FlexAttention fwd | FlexAttention bwd | intervals ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in d["rows"]:
+        flex = (f"{r['flex_fwd_tflops']:.0f} | {r['flex_bwd_tflops']:.0f}" if "flex_fwd_tflops" in r
+                else "– | –")
+        lines.append(f"| {r['input']} | {r['ours_fwd_tflops']:.0f} | {r['ours_bwd_tflops']:.0f} | "
+                     f"{r['fwd_vs_own_dense']:.2f} | {r['bwd_vs_own_dense']:.2f} | {flex} | {r['intervals_ms']:.3f} |")
+    return lines
+
+
 def ring(d: dict) -> list[str]:
     env = d["environment"]
     lines = [f"**Ring attention** ({env['gpus']}× {env['gpu']}, torch {env['torch']}, triton {env['triton']}; "
@@ -225,6 +240,19 @@ def headline_block_attention(path: Path, d: dict) -> list[list[str]]:
              f"{_range([r['bwd_ratio_vs_cudnn'] for r in rs])} cuDNN", _src(path)]]
 
 
+def headline_masked_attention(path: Path, d: dict) -> list[list[str]]:
+    rows = {r["input"]: r for r in d["rows"]}
+    shown = [r for name, r in rows.items() if name != "dense causal"]
+    text = "; ".join(f"{r['input']} {r['fwd_vs_own_dense']:.2f}/{r['bwd_vs_own_dense']:.2f}" for r in shown)
+    flex = [r for r in shown if "fwd_vs_flex" in r]
+    if flex:
+        text += (f"; vs FlexAttention on the same inputs: fwd {_range([r['fwd_vs_flex'] for r in flex])}, "
+                 f"bwd {_range([r['bwd_vs_flex'] for r in flex])}")
+    return [[f"windows and packed documents, `triton` backend, fwd/bwd TFLOP/s over visible pairs relative to our "
+             f"dense causal ({rows['dense causal']['ours_fwd_tflops']:.0f}/{rows['dense causal']['ours_bwd_tflops']:.0f}), "
+             f"one {d['gpu'].replace('NVIDIA ', '')}, S {_k(d['shape']['seqlen'])}", text, _src(path)]]
+
+
 def headline_lse_toolkit(path: Path, d: dict) -> list[list[str]]:
     gpu = d["gpu"].replace("NVIDIA ", "")
     fam = [r for r in d["softmax_family"] if r["cols"] >= LONG_COLS]
@@ -261,7 +289,8 @@ def headline_lse_toolkit(path: Path, d: dict) -> list[list[str]]:
 
 
 HEADLINE = (("ring-", headline_ring), ("error_growth", headline_error_growth), ("merge", headline_merge),
-            ("block_attention", headline_block_attention), ("lse_toolkit", headline_lse_toolkit))
+            ("block_attention", headline_block_attention), ("masked_attention", headline_masked_attention),
+            ("lse_toolkit", headline_lse_toolkit))
 
 
 def headline(files: list[tuple[Path, dict]]) -> list[str]:
@@ -282,6 +311,7 @@ def headline(files: list[tuple[Path, dict]]) -> list[str]:
 
 SECTIONS = (("block_attention", "Block attention", block_attention), ("error_growth", "Error growth with the world size", error_growth),
             ("host_time", "Host time per call", host_time), ("lse_toolkit", "LSE toolkit", lse_toolkit),
+            ("masked_attention", "Masked block attention (windows, packed documents)", masked_attention),
             ("merge", "Fused merge", merge), ("ring", "Ring attention", ring))
 
 

@@ -121,7 +121,7 @@ def test_windows_on_a_backend_without_them_name_the_backends_that_take_them():
     q, k, v, *_ = _inputs(1, 8, 8, 2, 2, 8, seed=6)
     with pytest.raises(ValueError, match=r"window_size needs a backend that takes windows"):
         ringlse.attention(q, k, v, window_size=(2, 2), backend=SDPA_BLOCK_OP)
-    with pytest.raises(ValueError, match=r"sdpa does not take windows or documents here \(backends that do: torch"):
+    with pytest.raises(ValueError, match=r"sdpa does not take windows or documents here \(backends that do: triton, torch"):
         ringlse.get_block_op("sdpa", "cuda", torch.bfloat16, masked=True)
     assert ringlse.get_block_op("auto", "cuda", torch.bfloat16, masked=True).takes_intervals
 
