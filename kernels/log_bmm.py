@@ -28,16 +28,13 @@ gradients.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ringlse.kernels.host import cdiv, next_power_of_2
+from ringlse.kernels.host import ActiveConfig, cdiv, next_power_of_2
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -63,25 +60,10 @@ class LogBmmConfig:
 
 
 CONFIG = LogBmmConfig()
-_active = CONFIG
-
-
-def active_config() -> LogBmmConfig:
-    """The config launches use now: `CONFIG`, or the innermost `config_override`'s."""
-    return _active
-
-
-@contextlib.contextmanager
-def config_override(**changes) -> Iterator[LogBmmConfig]:
-    """Launch inside the block with the active config's fields replaced by `changes` (tests and
-    benchmark sweeps; process-wide, not per thread). Unknown names raise TypeError."""
-    global _active
-    previous = _active
-    _active = dataclasses.replace(previous, **changes)
-    try:
-        yield _active
-    finally:
-        _active = previous
+_CONFIG = ActiveConfig(CONFIG)
+# the config launches use now, and the one test-only way to change it (a context manager)
+active_config = _CONFIG.get
+config_override = _CONFIG.override
 
 
 _VEC = 4  # float32 values per 16-byte vector
@@ -302,7 +284,7 @@ def log_bmm_forward(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | Non
         return out
     if M == 0:
         return out.fill_(float("-inf"))
-    cfg = _active
+    cfg = active_config()
     warps, vecs = cfg.fwd_warps, cfg.fwd_vecs
     bx, by = 32 * warps, _VEC * vecs
     # the k loop reads a column of a (a k-major copy makes it contiguous) and a row of b (padded to
@@ -329,7 +311,7 @@ def _grad(x: torch.Tensor, v: torch.Tensor, o: torch.Tensor, g: torch.Tensor) ->
     x = x.to(torch.float32).contiguous()
     o = o.to(torch.float32).contiguous()
     g = g.to(torch.float32).contiguous()
-    cfg = _active
+    cfg = active_config()
     warps, vecs = cfg.bwd_warps, cfg.bwd_vecs
     bx, by = 32 * warps, _VEC * vecs
     vp = _padded_f32(v, cdiv(Y, by) * by)

@@ -6,42 +6,23 @@ skeleton of `ringlse.blocks.contract`; masks follow CONVENTIONS.md §4 and §10 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
-
 import torch
 
 from ringlse.blocks import get_block_op
-from ringlse.blocks.contract import BlockOp, planned_attention
+from ringlse.blocks.contract import BlockCall, BlockOp, planned_attention
 from ringlse.checks import check_flag, check_qkv, check_scale, lse_dtype
-from ringlse.masks import BlockKind, Intervals, Rule, Span, block_intervals, block_kind, check_docs, check_window
-
-
-class _Call(NamedTuple):
-    """Query rows `[q0, q1)` attend key rows `[k0, k1)`: plain (`causal`, global `q_start`,
-    `k_start`) or through `intervals`."""
-
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-    causal: bool
-    q_start: int
-    k_start: int
-    intervals: Intervals | None = None
+from ringlse.masks import BlockKind, Rule, Span, block_intervals, block_kind, check_docs, check_window
 
 
 class _CallPlan:
     """Block calls over one q, k, v: a lone call covering everything returns its state as it is;
     several merge into float32 accumulators (the op merges in place, into views of them)."""
 
-    def __init__(self, op: BlockOp, scale: float, calls: list[_Call]):
+    def __init__(self, op: BlockOp, scale: float, calls: list[BlockCall]):
         self.op, self.scale, self.calls = op, scale, calls
 
-    def _kw(self, c: _Call) -> dict:
-        kw = dict(softmax_scale=self.scale, causal=c.causal, q_start=c.q_start, k_start=c.k_start)
-        if c.intervals is not None:
-            kw["intervals"] = c.intervals
-        return kw
+    def _kw(self, c: BlockCall) -> dict:
+        return dict(softmax_scale=self.scale, **c.block_args())
 
     def forward(self, q, k, v):
         b, sq, h, _ = q.shape
@@ -68,18 +49,18 @@ class _CallPlan:
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _plain_calls(q0: int, q1: int, k0: int, k1: int, causal: bool, q_start: int, k_start: int) -> list[_Call]:
+def _plain_calls(q0: int, q1: int, k0: int, k1: int, causal: bool, q_start: int, k_start: int) -> list[BlockCall]:
     """The block rows `[q0, q1)` x `[k0, k1)` at global `q_start`, `k_start` under plain causal (or no)
     masking: nothing, or one call (causal only where the boundary crosses it)."""
     kind = block_kind(q1 - q0, k1 - k0, q_start, k_start, causal)
     if kind is BlockKind.EMPTY:
         return []
     partial = kind is BlockKind.PARTIAL
-    return [_Call(q0, q1, k0, k1, partial, q_start if partial else 0, k_start if partial else 0)]
+    return [BlockCall(q0, q1, k0, k1, partial, q_start if partial else 0, k_start if partial else 0)]
 
 
 def _block_calls(op: BlockOp, rule: Rule, q0: int, q1: int, k0: int, k1: int, q_start: int, k_start: int,
-                 what: str) -> Iterator[_Call]:
+                 what: str) -> Iterator[BlockCall]:
     """Calls covering rows `[q0, q1)` (global positions from `q_start`) x keys `[k0, k1)` (from
     `k_start`) under `rule`: plain calls where it is plain, else intervals for ops that take them,
     else one plain call per document for ops that do not (windows then raise)."""
@@ -90,9 +71,9 @@ def _block_calls(op: BlockOp, rule: Rule, q0: int, q1: int, k0: int, k1: int, q_
         iv = block_intervals(rule, Span(q_start, q1 - q0), Span(k_start, k1 - k0), device="cpu")
         kind = iv.kind()
         if kind is BlockKind.FULL:
-            yield _Call(q0, q1, k0, k1, False, 0, 0)
+            yield BlockCall(q0, q1, k0, k1, False, 0, 0)
         elif kind is BlockKind.PARTIAL:
-            yield _Call(q0, q1, k0, k1, False, 0, 0, iv)
+            yield BlockCall(q0, q1, k0, k1, False, 0, 0, iv)
         return
     if rule.window != (-1, -1):
         raise ValueError(f"{what}: window_size needs a backend that takes windows (intervals); "

@@ -6,10 +6,10 @@ A call plan depends on the active config and keys on it: a change takes effect a
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass
+
+from ringlse.kernels.host import ActiveConfig
 
 
 @dataclass(frozen=True)
@@ -78,25 +78,7 @@ class SoftmaxConfig:
 
 CONFIG = SoftmaxConfig()
 
-_active = CONFIG
-
-
-def active_config() -> SoftmaxConfig:
-    """The config calls are planned with now: `CONFIG`, or the innermost `config_override`'s."""
-    return _active
-
-
-@contextlib.contextmanager
-def config_override(**changes) -> Iterator[SoftmaxConfig]:
-    """Plan the calls made inside the block with the active config's fields replaced by `changes`
-    (tests and benchmark sweeps; process-wide, not per thread). Unknown names raise TypeError.
-
-    Example: `with ringlse.kernels.softmax.config_override(max_row_block=64): ...`
-    """
-    global _active
-    previous = _active
-    _active = dataclasses.replace(previous, **changes)
-    try:
-        yield _active
-    finally:
-        _active = previous
+_CONFIG = ActiveConfig(CONFIG)
+# the config launches use now, and the one test-only way to change it (a context manager)
+active_config = _CONFIG.get
+config_override = _CONFIG.override

@@ -47,7 +47,31 @@ from typing import NamedTuple, Protocol
 import torch
 
 from ringlse.checks import lse_dtype
+from ringlse.masks import Intervals
 from ringlse.merge import GradPart, StatePart
+
+
+class BlockCall(NamedTuple):
+    """One block-op call of a plan: query rows `[q0, q1)` attend key rows `[k0, k1)`, plain (`causal`,
+    with `q_start`/`k_start` positions in any frame where only their difference matters: global
+    positions for single-device plans, local indices for the ring's, `ringlse.ring.plan.plan_step`) or
+    through `intervals` (with `causal=False`: windows, documents, `ringlse.masks`)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+    q_start: int
+    k_start: int
+    intervals: Intervals | None = None
+
+    def block_args(self) -> dict:
+        """The mask arguments of a block-op call for this call."""
+        kw = dict(causal=self.causal, q_start=self.q_start, k_start=self.k_start)
+        if self.intervals is not None:
+            kw["intervals"] = self.intervals
+        return kw
 
 
 class BlockGrads(NamedTuple):

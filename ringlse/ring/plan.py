@@ -14,7 +14,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ringlse.masks import BlockKind, Intervals, Rule, Span, block_intervals, block_kind
+from ringlse.blocks.contract import BlockCall
+from ringlse.masks import BlockKind, Rule, Span, block_intervals, block_kind
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 
@@ -62,28 +63,6 @@ def local_positions(layout: str, rank: int, world: int, n_local: int) -> torch.T
     return torch.cat([
         s.global_start + s.stride * torch.arange(s.length) for s in segments(layout, rank, world, n_local)
     ])
-
-
-class BlockCall(NamedTuple):
-    """Attend local queries `[q0, q1)` to the held keys `[k0, k1)`; `q_start`/`k_start` are in the
-    local index space of the two slices (see `plan_step`); `intervals` (with `causal=False`) carries a
-    mask other than plain causal (windows, documents: `ringlse.masks`)."""
-
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-    causal: bool
-    q_start: int
-    k_start: int
-    intervals: Intervals | None = None
-
-    def block_args(self) -> dict:
-        """The mask arguments of a block-op call for this call."""
-        kw = dict(causal=self.causal, q_start=self.q_start, k_start=self.k_start)
-        if self.intervals is not None:
-            kw["intervals"] = self.intervals
-        return kw
 
 
 def plan_step_masked(layout: str, rank: int, src: int, world: int, n_local: int, rule: Rule) -> list[BlockCall]:
