@@ -395,10 +395,25 @@ def _rss_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
-def memory_flat(rank, world, calls: int, warmup: int, seed: int = 0) -> dict:
-    """`calls` ring calls (forward and backward) of varying lengths, heads, layouts, causality, windows
-    and random documents, after `warmup` calls of the same kind: this rank's RSS and Python object
-    count before and after, and the sizes of the ring's caches."""
+def _live_rss_kib() -> int:
+    """This process's RSS after a garbage collection and, with glibc, after returning freed heap pages
+    (what is left is memory in use, not the allocator's spare)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return _rss_kib()
+
+
+def memory_flat(rank, world, calls: int, period: int, seed: int = 0) -> dict:
+    """Ring calls (forward and backward) cycling through `period` drawn variants of lengths, heads,
+    layouts, causality, windows and random documents (more distinct masks than the step-plan cache
+    holds, so it keeps evicting): two cycles to warm up, then `calls` calls. Returns this rank's RSS
+    and Python object count before and after, and the sizes of the ring's caches."""
     import gc
     import random
 
@@ -407,32 +422,32 @@ def memory_flat(rank, world, calls: int, warmup: int, seed: int = 0) -> dict:
 
     rng = random.Random(seed)  # the same draws on every rank: the ranks must agree on every call
 
-    def one():
+    def draw() -> tuple:
         n = 2 * rng.randint(1, 6)
         s = n * world
-        h, hkv = rng.choice(((2, 1), (2, 2), (4, 2)))
-        layout = rng.choice(("contiguous", "zigzag", "stripe"))
-        causal = rng.random() < 0.5
-        kw = {}
-        if rng.random() < 0.5:
-            cuts = sorted(rng.sample(range(1, s), rng.randint(0, min(3, s - 1))))
-            kw["cu_seqlens"] = [0, *cuts, s]
+        kw = dict(causal=rng.random() < 0.5, layout=rng.choice(("contiguous", "zigzag", "stripe")))
+        if rng.random() < 0.6:
+            kw["cu_seqlens"] = [0, *sorted(rng.sample(range(1, s), rng.randint(0, min(3, s - 1)))), s]
         if rng.random() < 0.3:
             kw["window_size"] = (rng.randint(-1, 4), rng.randint(-1, 4))
+        return n, rng.choice(((2, 1), (2, 2), (4, 2))), kw
+
+    variants = [draw() for _ in range(period)]
+
+    def one(i: int) -> None:
+        n, (h, hkv), kw = variants[i % period]
         q = torch.randn(1, n, h, 8, requires_grad=True)
         k = torch.randn(1, n, hkv, 8, requires_grad=True)
         v = torch.randn(1, n, hkv, 8, requires_grad=True)
-        out = ringlse.ring_attention(q, k, v, causal=causal, layout=layout, backend="torch", **kw)
+        out = ringlse.ring_attention(q, k, v, backend="torch", **kw)
         out.sum().backward()
 
-    for _ in range(warmup):
-        one()
-    gc.collect()
-    before = (_rss_kib(), len(gc.get_objects()))
-    for _ in range(calls):
-        one()
-    gc.collect()
-    after = (_rss_kib(), len(gc.get_objects()))
+    for i in range(2 * period):
+        one(i)
+    before = (_live_rss_kib(), len(gc.get_objects()))
+    for i in range(calls):
+        one(i)
+    after = (_live_rss_kib(), len(gc.get_objects()))
     return dict(rss_kib=(before[0], after[0]), objects=(before[1], after[1]),
                 step_plans=plan_module.step_plans.cache_info().currsize, comms=len(comm_module._COMMS))
 
@@ -479,3 +494,13 @@ def crossing_rings(rank, world) -> list[str]:
             except AssertionError as e:
                 failures.append(f"rank {rank} iteration {it} {name}: {str(e).splitlines()[0]}")
     return failures
+
+
+def long_error(rank, world) -> str:
+    """Rank 1 passes a layout name of 1,000 characters: every rank's message, with rank 1's text cut."""
+    q = torch.randn(1, 4, 2, 8)
+    try:
+        ringlse.ring_attention(q, q, q, layout="x" * 1000 if rank == 1 else "stripe")
+    except ValueError as e:
+        return str(e)
+    return "no error"

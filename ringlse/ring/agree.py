@@ -1,25 +1,40 @@
 """The agreement before any K/V moves: every rank of the ring posts a row of integers describing its
-inputs (shapes, dtype, options) and its own error if it has one; then every rank raises the same
-ValueError when any rank's inputs are bad or two ranks disagree, or goes on together.
+inputs (shapes, dtype, options) and whether it found its own inputs invalid; then every rank raises
+the same ValueError when any rank's inputs are bad or two ranks disagree, or goes on together.
 
-One path: a gloo all-gather over the ring's ranks (the ring's own group when it is gloo, else a gloo
-group of the same ranks made once). It runs on the host, so it waits for no kernel, and a caller can
-queue local work before it checks. It waits no longer than the process group's timeout, and gloo
-reports a peer that is gone as an error.
+One path: a gloo all-to-all of the rows over the ring's ranks (the ring's own group when it is gloo,
+else a gloo group of the same ranks made once). It runs on the host, so it waits for no kernel, and a
+caller can queue local work before it checks (`Agreement.ready` polls it). Every rank sends its row
+to every rank directly, so when the exchange fails or times out, the rows that did not arrive name
+the ranks it waited for (a gather passed round a ring would name the wrong one). When some rank
+reported an error, a second all-to-all of fixed-size byte rows (every rank knows after the first,
+so it stays collective, and the good path never pays for it) brings every rank's error text, so the
+ValueError reads the same on every rank: `ring_attention: invalid input: rank 0: ...; rank 2: ...`.
 """
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+# Rows start with a marker, so that the rows that arrived can be told from those that did not.
+_ARRIVED = 1
+# Bytes of one rank's error text in the second exchange (longer texts are cut, with "...").
+TEXT_BYTES = 300
+
+# `describe(meta)` -> {field name: value as text}: how a disagreement is reported (None: by index).
+Describe = Callable[[Sequence[int]], dict[str, str]]
+# `fault(step, peers, original)` -> the RuntimeError of a failed exchange (`RingComm.fault`).
+Fault = Callable[[int, Sequence[int], BaseException], RuntimeError]
+
 
 class Agreement:
     """The pending comparison of the ranks' rows: `ready()` says whether every rank's row is in
     (without waiting); calling it waits for them and raises ValueError on every rank when any rank
-    reported an error or two ranks' rows differ."""
+    reported an error or two ranks' rows differ, RuntimeError when a rank does not answer in time."""
 
     def __init__(self, ready: Callable[[], bool], check: Callable[[], None]):
         self.ready = ready
@@ -30,35 +45,84 @@ class Agreement:
 
 
 def post_agreement(rank: int, world: int, host_group: dist.ProcessGroup | None, meta: Sequence[int],
-                   error: str | None) -> Agreement:
+                   error: str | None, *, limit: datetime.timedelta | None = None, fault: Fault | None = None,
+                   describe: Describe | None = None) -> Agreement:
     """Start comparing `meta` (ints describing this rank's inputs) and its local `error` across the
     `world` ranks of the gloo `host_group` (None: the default group); returns the pending `Agreement`.
-    Every rank must call this once per ring call, whatever its inputs."""
+    Every rank must call this once per ring call, whatever its inputs. Each exchange waits at most
+    `limit` (None: the group's timeout); a failure or timeout raises `fault(step, peers, original)`
+    (step 0: the rows, 1: the error texts; peers: the group ranks whose part did not arrive)."""
     if world == 1:
-        return Agreement(lambda: True, lambda: decide([[0 if error is None else 1, *meta]], 0, error))
-    row = torch.tensor([0 if error is None else 1, *meta], dtype=torch.int64)
-    table = torch.empty((world, row.numel()), dtype=torch.int64)
-    work = dist.all_gather(list(table.unbind(0)), row, group=host_group, async_op=True)
+        return Agreement(lambda: True, lambda: decide([[0 if error is None else 1, *meta]], [error or ""], describe))
+    row = torch.tensor([_ARRIVED, 0 if error is None else 1, *meta], dtype=torch.int64)
+    table = torch.zeros((world, row.numel()), dtype=torch.int64)
+    work = dist.all_to_all_single(table, row.expand(world, -1).contiguous(), group=host_group, async_op=True)
 
     def check() -> None:
-        work.wait()
-        decide(table.tolist(), rank, error)
+        _wait(work, table, rank, limit, 0, fault)
+        rows = table[:, 1:].tolist()
+        texts = None
+        if any(r[0] for r in rows):  # the same on every rank: all go to the second exchange
+            texts = _exchange_texts(rank, world, host_group, error, limit, fault)
+        decide(rows, texts, describe)
 
     return Agreement(work.is_completed, check)
 
 
-def decide(rows: list[list[int]], rank: int, error: str | None) -> None:
-    """Raise the same ValueError on every rank if any row carries an error flag or the rows differ
-    (this rank's own error message, where it has one)."""
-    if error is not None:
-        raise ValueError(f"rank {rank}: {error}")
+def _wait(work, table: torch.Tensor, rank: int, limit: datetime.timedelta | None, step: int,
+          fault: Fault | None) -> None:
+    try:
+        done = work.wait() if limit is None else work.wait(max(limit, datetime.timedelta(milliseconds=1)))
+        if done is False:
+            raise TimeoutError(f"not done within {limit}")
+    except Exception as e:  # noqa: BLE001 - any failure of the exchange is a fault of the ring
+        if fault is None:
+            raise
+        # rows that did not arrive (read while the transport may still write: names only, never data)
+        missing = [r for r in range(table.shape[0]) if r != rank and int(table[r, 0]) != _ARRIVED]
+        raise fault(step, missing, e) from e
+
+
+def _exchange_texts(rank: int, world: int, host_group, error: str | None, limit, fault: Fault | None) -> list[str]:
+    """Every rank's error text ("" where it had none), cut to `TEXT_BYTES` bytes."""
+    data = _own_text(error or "").encode("utf-8", "replace")
+    if len(data) > TEXT_BYTES:
+        data = data[:TEXT_BYTES - 3] + b"..."
+    row = torch.zeros(TEXT_BYTES + 1, dtype=torch.uint8)
+    row[0] = _ARRIVED
+    row[1:1 + len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    table = torch.zeros((world, TEXT_BYTES + 1), dtype=torch.uint8)
+    work = dist.all_to_all_single(table, row.expand(world, -1).contiguous(), group=host_group, async_op=True)
+    _wait(work, table, rank, limit, 1, fault)
+    return [bytes(t[1:].tolist()).rstrip(b"\0").decode("utf-8", "ignore") for t in table]
+
+
+def _own_text(text: str) -> str:
+    """A rank's error without the leading "ring_attention: " its checks put there."""
+    prefix = "ring_attention: "
+    return text[len(prefix):] if text.startswith(prefix) else text
+
+
+def decide(rows: list[list[int]], texts: list[str] | None, describe: Describe | None = None) -> None:
+    """Raise the same ValueError on every rank if any row carries an error flag (listing every such
+    rank's error text) or the rows differ (listing, per field, which ranks hold which value)."""
     bad = [r for r, row in enumerate(rows) if row[0] != 0]
     if bad:
-        raise ValueError(f"rank {rank}: ranks {bad} reported invalid input (see their errors)")
-    mine = rows[rank][1:]
-    differs = [r for r, row in enumerate(rows) if row[1:] != mine]
-    if differs:
-        raise ValueError(
-            f"rank {rank}: ranks disagree on shapes/dtype/options: mine {mine}, "
-            + ", ".join(f"rank {r} {rows[r][1:]}" for r in differs)
-        )
+        texts = texts or [""] * len(rows)
+        raise ValueError("ring_attention: invalid input: "
+                         + "; ".join(f"rank {r}: {_own_text(texts[r]) or 'invalid input'}" for r in bad))
+    if all(row == rows[0] for row in rows):
+        return
+    fields = [describe(row[1:]) if describe is not None else {f"field {i}": str(x) for i, x in enumerate(row[1:])}
+              for row in rows]
+    parts = []
+    for name in fields[0]:
+        holders: dict[str, list[int]] = {}
+        for r, f in enumerate(fields):
+            holders.setdefault(f.get(name, "?"), []).append(r)
+        if len(holders) > 1:
+            parts.append(f"{name}: " + ", ".join(
+                f"{value} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+                for value, ranks in holders.items()))
+    raise ValueError("ring_attention: ranks disagree on shapes/dtype/options (every rank must pass the same): "
+                     + "; ".join(parts or ["rows differ"]))

@@ -1,17 +1,28 @@
 """Point-to-point plumbing of the ring (`RingComm`, one per live process group) and the NCCL settings
-its transfers run best with."""
+its transfers run best with.
+
+Faults: every wait of the ring (the agreement, each K/V transfer, each dk/dv message) is bounded and
+names what it waited for. A failure or timeout of one becomes `RuntimeError("ring_attention: {phase}
+step {s}: waiting for rank {peer} (global {g}): {original}")`, with the transport's exception as its
+`__cause__`, and marks the comm failed: messages of the failed call may still be in flight and gloo
+matches messages by peer and tag only, so a later call on the same group could take one for its own
+(a silently wrong answer); every later ring call on that group raises at once instead.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ringlse.ring.agree import Agreement, post_agreement
+from ringlse.ring.agree import Agreement, Describe, post_agreement
 
 # NCCL picks how many channels carry a point-to-point message from its size in chunks: with the
 # default 512 KiB NVLink chunk, a 64-128 MiB K/V block moved at ~110 GiB/s on 4xH200 (NCCL 2.28),
@@ -41,6 +52,15 @@ def nccl_options():
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = os.environ.get("TORCH_NCCL_HIGH_PRIORITY", "1") != "0"
     return options
+
+
+class Pending(NamedTuple):
+    """A posted transfer: its work, the group ranks at the other end (one; more where a backend
+    coalesces a batch into one work, as NCCL does), and the ring step it serves."""
+
+    work: dist.Work
+    peers: tuple[int, ...]
+    step: int
 
 
 # One RingComm per live process group, held weakly: a comm (and the gloo group and copy-engine
@@ -92,6 +112,9 @@ class RingComm:
         self.same_host: bool | None = None
         self.pull_workspaces: dict[int, list] = {}
         self.retired_workspaces: list = []
+        # why an earlier call on this group failed (None: none did); see the module docstring
+        self.failed: str | None = None
+        self._timeout: datetime.timedelta | None = None
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -109,8 +132,9 @@ class RingComm:
         return self._stream
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0,
-                 ready: torch.cuda.Event | None = None) -> list:
-        """Post `send` -> rank+1 and `recv` <- rank-1; returns the works to `wait` on.
+                 ready: torch.cuda.Event | None = None, step: int = 0) -> list[Pending]:
+        """Post `send` -> rank+1 and `recv` <- rank-1 for ring step `step`; returns the transfers to
+        `wait` on.
 
         NCCL starts a transfer once everything queued so far on the current stream is done. With
         `ready` (an event recorded when `send` was written) it is posted from a side stream and waits
@@ -123,42 +147,110 @@ class RingComm:
             dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
         ]
         if ready is None or send.device.type != "cuda":
-            return dist.batch_isend_irecv(ops)
-        stream = self._side_stream()
-        stream.wait_event(ready)
-        with torch.cuda.stream(stream):
-            return dist.batch_isend_irecv(ops)
+            works = dist.batch_isend_irecv(ops)
+        else:
+            stream = self._side_stream()
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                works = dist.batch_isend_irecv(ops)
+        return self._pending(works, [(self.rank + 1) % self.world, (self.rank - 1) % self.world], step)
 
     def send_recv(self, sends: Sequence[torch.Tensor], dst: int, recvs: Sequence[torch.Tensor], src: int,
-                  tag: int = 0) -> list:
-        """Post `sends` -> group rank `dst` and `recvs` <- group rank `src` (in order, as one batch);
-        returns the works to `wait` on. Every pair of ranks must post matching batches in the same
-        order (NCCL matches point-to-point messages by order, not by tag)."""
+                  tag: int = 0, step: int = 0) -> list[Pending]:
+        """Post `sends` -> group rank `dst` and `recvs` <- group rank `src` (in order, as one batch) for
+        ring step `step`; returns the transfers to `wait` on. Every pair of ranks must post matching
+        batches in the same order (NCCL matches point-to-point messages by order, not by tag)."""
         ops = [dist.P2POp(dist.isend, t, self.global_ranks[dst], self.group, tag) for t in sends]
         ops += [dist.P2POp(dist.irecv, t, self.global_ranks[src], self.group, tag) for t in recvs]
-        return dist.batch_isend_irecv(ops) if ops else []
+        if not ops:
+            return []
+        return self._pending(dist.batch_isend_irecv(ops), [dst] * len(sends) + [src] * len(recvs), step)
 
     @staticmethod
-    def wait(works: Sequence) -> None:
-        for w in works:
-            w.wait()
+    def _pending(works: list, peers: list[int], step: int) -> list[Pending]:
+        if len(works) != len(peers):  # a backend that coalesces the batch: each work waits for every peer
+            return [Pending(w, tuple(sorted(set(peers))), step) for w in works]
+        return [Pending(w, (p,), step) for w, p in zip(works, peers)]
 
-    def post_agreement(self, meta: Sequence[int], error: str | None) -> Agreement:
+    def wait(self, pending: Sequence[Pending], phase: str = "transfer", limit: datetime.timedelta | None = None) -> None:
+        """Wait for the transfers `pending` of `phase` (forward, backward), all within `limit` (None:
+        the backend's own bound, for NCCL its watchdog; the host does not block). A failure or a
+        timeout raises `RuntimeError` naming the step and the peer (`fault`)."""
+        deadline = None if limit is None else time.monotonic() + limit.total_seconds()
+        for p in pending:
+            try:
+                if deadline is None:
+                    done = p.work.wait()
+                else:
+                    done = p.work.wait(_at_least_1ms(deadline - time.monotonic()))
+                if done is False:
+                    raise TimeoutError(f"not done within {limit}")
+            except Exception as e:  # noqa: BLE001 - any failure of a transfer is a fault of the ring
+                raise self.fault(phase, p.step, p.peers, e) from e
+
+    def _others(self) -> list[int]:
+        return [r for r in range(self.world) if r != self.rank]
+
+    def fault(self, phase: str, step: int, peers: Sequence[int], original: BaseException) -> RuntimeError:
+        """The `RuntimeError` of a failed or timed-out wait of ring step `step` in `phase` for the group
+        ranks `peers`; marks this comm failed (see the module docstring)."""
+        peers = list(peers) or self._others()
+        who = (f"rank {peers[0]} (global {self.global_ranks[peers[0]]})" if len(peers) == 1 else
+               f"ranks {', '.join(map(str, peers))} (global {', '.join(str(self.global_ranks[p]) for p in peers)})")
+        message = f"ring_attention: {phase} step {step}: waiting for {who}: {original}"
+        if self.failed is None:
+            self.failed = message
+        return RuntimeError(message)
+
+    @contextlib.contextmanager
+    def guard(self, phase: str) -> Iterator[None]:
+        """Mark this comm failed if anything escapes the block (an exception of a block op, an
+        interrupt): transfers of the call may be posted and never waited for."""
+        try:
+            yield
+        except BaseException as e:
+            if self.failed is None and self.world > 1:
+                self.failed = f"ring_attention: {phase}: {type(e).__name__}: {e}"
+            raise
+
+    def check_usable(self) -> None:
+        """Raise `RuntimeError` if an earlier ring call on this group failed."""
+        if self.failed is not None:
+            raise RuntimeError(
+                f"ring_attention: an earlier call on this process group failed ({self.failed}); its messages "
+                "may still be in flight, so the group can no longer carry a ring: destroy it and make a new one")
+
+    def transfer_limit(self, timeout: datetime.timedelta | None) -> datetime.timedelta | None:
+        """How long one K/V or dk/dv wait may take: `timeout` where the caller gave one; else the
+        group's timeout on gloo (the host waits anyway) and None on NCCL (the watchdog enforces the
+        group's timeout; a host wait with a timeout would block the host until the transfer is done)."""
+        if timeout is not None:
+            return timeout
+        return self.timeout() if self.backend == "gloo" else None
+
+    def post_agreement(self, meta: Sequence[int], error: str | None, timeout: datetime.timedelta | None = None,
+                       describe: Describe | None = None) -> Agreement:
         """Start comparing `meta` (ints describing this rank's inputs) and its local `error` across
-        the ranks (`ringlse.ring.agree`); every rank calls it once per ring call."""
+        the ranks (`ringlse.ring.agree`); every rank calls it once per ring call. Its waits last at
+        most `timeout` (None: the group's)."""
         if self.world > 1 and self.backend != "gloo" and self._gloo_twin is None:
             # only the members take part in making it; it waits as long as the group would
             self._gloo_twin = dist.new_group(self.global_ranks, backend="gloo", timeout=self.timeout(),
                                              use_local_synchronization=True)
-        return post_agreement(self.rank, self.world, self._host_group(), meta, error)
+        limit = self.timeout() if timeout is None else timeout
+        return post_agreement(self.rank, self.world, self._host_group(), meta, error, limit=limit,
+                              fault=lambda step, peers, e: self.fault("agreement", step, peers, e),
+                              describe=describe)
 
     def timeout(self) -> datetime.timedelta:
         """The process group's timeout (torch's default where the group does not say)."""
-        device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
-        try:
-            return self.group_or_world()._get_backend(device).options._timeout
-        except (AttributeError, RuntimeError):
-            return dist.default_pg_timeout
+        if self._timeout is None:
+            device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
+            try:
+                self._timeout = self.group_or_world()._get_backend(device).options._timeout
+            except (AttributeError, RuntimeError):
+                self._timeout = dist.default_pg_timeout
+        return self._timeout
 
     def group_or_world(self) -> dist.ProcessGroup:
         """The process group object (the default group for `group=None`)."""
@@ -167,3 +259,8 @@ class RingComm:
     def _host_group(self) -> dist.ProcessGroup | None:
         """The gloo group the host-side agreement runs over."""
         return self.group if self._gloo_twin is None else self._gloo_twin
+
+
+def _at_least_1ms(seconds: float) -> datetime.timedelta:
+    """A wait's timeout: `Work.wait(timedelta(0))` means no timeout at all, and gloo counts whole ms."""
+    return datetime.timedelta(seconds=max(seconds, 0.001))

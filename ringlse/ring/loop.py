@@ -10,24 +10,30 @@ parts home costs the same transfers, needs no float32 accumulator per hop, and l
 outputs travel as they are). The rank's own block hides the first transfer (and, split in two by
 keys in the backward, the last one). The block op is a parameter, so the same loop runs on gloo/CPU
 and NCCL/GPU.
+
+Faults (README "Failure behaviour"): every wait is bounded (`timeout=`, else the group's) and a
+failed or late one raises `RuntimeError` naming the phase, the ring step and the peer it waited for
+(`RingComm.wait`); nothing is returned unless every block arrived.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ringlse.blocks import get_block_op
-from ringlse.blocks.contract import BlockOp, planned_attention
+from ringlse.blocks.contract import BlockCall, BlockOp, planned_attention
 from ringlse.checks import SUPPORTED_DTYPES, check_flag, check_qkv, check_scale, lse_dtype
 from ringlse.masks import Rule, check_docs, check_window
 from ringlse.merge import GradPart, PartSum, StateMerge, sum_parts
 from ringlse.ring.agree import Agreement
 from ringlse.ring.comm import RingComm
-from ringlse.ring.plan import LAYOUTS, BlockCall, check_layout, default_layout, split_keys, step_plans
+from ringlse.ring.plan import LAYOUTS, check_layout, default_layout, split_keys, step_plans
 from ringlse.ring.pull import PulledKV, use_copy_engines
 
 _KV_TAG, _DKV_TAG = 1, 2
@@ -45,13 +51,15 @@ def _rows_read(plan: Sequence[BlockCall]) -> tuple[int, int]:
 
 
 def _held_blocks(comm: RingComm, own: tuple[torch.Tensor, torch.Tensor], kv_own: torch.Tensor | None,
-                 bufs: list[torch.Tensor], ready, plans, pulled: PulledKV | None):
+                 bufs: list[torch.Tensor], ready, plans, pulled: PulledKV | None, phase: str,
+                 limit: datetime.timedelta | None):
     """Yield `(s, kv)` for s = 0 .. W-1: the K/V of rank (rank - s) mod W once it has arrived
     (`own`, this rank's `(k, v)`, for s = 0, `bufs[s % 3]` after); the caller queues its work on `kv`
     before asking for the next block. `kv_own` is the packed K/V that NCCL sends (None when blocks
     are pulled: `pulled` packs its own after `ready`). `ready` (a CUDA event, None on CPU) is recorded
     after `kv_own` (if any) is written and `bufs` were allocated: transfers wait for it and the events
-    below only, so every earlier user of the buffers' memory must be queued before it.
+    below only, so every earlier user of the buffers' memory must be queued before it. Each transfer
+    wait lasts at most `limit` (`RingComm.wait` raises, naming `phase`, the step and the peer).
 
     Block 1's transfer is posted before step 0 is yielded. Block s+1's is posted before block s is
     yielded, waiting only for the last reader of the buffer it fills (an event), not for everything
@@ -69,20 +77,20 @@ def _held_blocks(comm: RingComm, own: tuple[torch.Tensor, torch.Tensor], kv_own:
         pulled.publish()
         pulled.pull(1, bufs[1], _rows_read(plans[1]), ready)
     else:
-        works = comm.exchange(kv_own, bufs[1], _KV_TAG, ready=ready)
+        works = comm.exchange(kv_own, bufs[1], _KV_TAG, ready=ready, step=1)
     yield 0, own
     for s in range(1, comm.world):
         if pulled is not None:
             pulled.wait(s)
         else:
-            comm.wait(works)
+            comm.wait(works, phase, limit)
         kv = bufs[s % 3]
         if s + 1 < comm.world:
             nxt = (s + 1) % 3
             if pulled is not None:
                 pulled.pull(s + 1, bufs[nxt], _rows_read(plans[s + 1]), last_read[nxt])
             else:
-                works = comm.exchange(kv, bufs[nxt], _KV_TAG, ready=last_read[nxt])
+                works = comm.exchange(kv, bufs[nxt], _KV_TAG, ready=last_read[nxt], step=s + 1)
         yield s, kv
         if cuda:
             last_read[s % 3] = _event()
@@ -103,7 +111,7 @@ def _own_kv(comm: RingComm, k: torch.Tensor, v: torch.Tensor, pull: bool):
 
 
 def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, check: Agreement,
-                  pull: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  pull: bool, limit: datetime.timedelta | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out, lse)`: out in q's dtype when the op returns its states as parts (merged once at the
     end), else the float32 accumulator the op merged into.
 
@@ -132,16 +140,18 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, che
 
     own_first = not check.ready()
     if own_first:
-        attend(plans[0], (k, v))
+        with comm.guard("forward"):  # the others go on once our row is in: a failure here strands them
+            attend(plans[0], (k, v))
     try:
         check()  # every rank raises here on bad or mismatched inputs, before any K/V moves
-    except ValueError:
+    except BaseException:  # ValueError: the ranks agreed to stop; RuntimeError: a rank did not answer
         if pulled is not None:
             pulled.abandon()
         raise
-    for s, held in _held_blocks(comm, (k, v), kv_own, bufs, ready, plans, pulled):
-        if s > 0 or not own_first:
-            attend(plans[s], held)
+    with comm.guard("forward"):
+        for s, held in _held_blocks(comm, (k, v), kv_own, bufs, ready, plans, pulled, "forward", limit):
+            if s > 0 or not own_first:
+                attend(plans[s], held)
     return states.result(q.dtype) if states is not None else (out, lse)
 
 
@@ -158,7 +168,8 @@ def _message_dtype(op: BlockOp, call: BlockCall, q: torch.Tensor, k: torch.Tenso
 
 
 def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: float, comm: RingComm, plans,
-                   peer_plans, with_lse: bool, pull: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   peer_plans, with_lse: bool, pull: bool, limit: datetime.timedelta | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of this rank's shards, in the input dtype.
 
     Each rank attends its queries to every K/V block as the blocks come round the ring (as in the
@@ -222,7 +233,7 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
     dkv_works: list = []
     sent: list[list[torch.Tensor]] = []  # kept alive until their transfers are done
     received: list[tuple[BlockCall, torch.Tensor, torch.Tensor]] = []
-    for s, kv in _held_blocks(comm, (k, v), kv_own, bufs, ready, plans, pulled):
+    for s, kv in _held_blocks(comm, (k, v), kv_own, bufs, ready, plans, pulled, "backward", limit):
         if s == 0:
             attend_own(own_first)
             continue
@@ -235,9 +246,9 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
             received.append((c, *incoming))
             recvs += incoming
         dkv_works += comm.send_recv(sent[-1], (comm.rank - s) % comm.world, recvs, (comm.rank + s) % comm.world,
-                                    _DKV_TAG)
+                                    _DKV_TAG, step=s)
     attend_own(own_last)
-    comm.wait(dkv_works)
+    comm.wait(dkv_works, "backward", limit)
     for c, dk_part, dv_part in received:
         dk.add(GradPart(0, dk_part), c.k0)
         dv.add(GradPart(0, dv_part), c.k0)
@@ -248,16 +259,18 @@ class _RingPlan:
     """One ring call: forward and backward over the blocks as they come round (`AttentionPlan`)."""
 
     def __init__(self, op: BlockOp, scale: float, comm: RingComm, plans, peer_plans, with_lse: bool, pull: bool,
-                 check: Agreement):
+                 check: Agreement, limit: datetime.timedelta | None):
         self.op, self.scale, self.comm, self.plans, self.peer_plans = op, scale, comm, plans, peer_plans
-        self.with_lse, self.pull, self.check = with_lse, pull, check
+        self.with_lse, self.pull, self.check, self.limit = with_lse, pull, check, limit
 
     def forward(self, q, k, v):
-        return _ring_forward(q, k, v, self.op, self.scale, self.comm, self.plans, self.check, self.pull)
+        return _ring_forward(q, k, v, self.op, self.scale, self.comm, self.plans, self.check, self.pull, self.limit)
 
     def backward(self, dout, q, k, v, out, lse, delta, lse_grad):
-        return _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, self.op, self.scale, self.comm, self.plans,
-                              self.peer_plans, self.with_lse, self.pull)
+        self.comm.check_usable()  # another call on the group may have failed since the forward
+        with self.comm.guard("backward"):
+            return _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, self.op, self.scale, self.comm,
+                                  self.plans, self.peer_plans, self.with_lse, self.pull, self.limit)
 
 
 _LAYOUT_CODES = {name: i for i, name in enumerate(LAYOUTS)}
@@ -288,6 +301,41 @@ def _local_rule(q, k, v, layout: str, causal, window_size, cu_seqlens, return_ls
     return Rule(causal, window, docs), None
 
 
+def _check_timeout(timeout) -> datetime.timedelta | None:
+    """`timeout` as a positive `timedelta` (None stays None: the group's); ValueError otherwise."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ValueError(f"ring_attention: timeout must be a datetime.timedelta or seconds, got "
+                         f"{type(timeout).__name__} {timeout!r}")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"ring_attention: timeout must be positive and finite, got {timeout!r}")
+    try:
+        return datetime.timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(f"ring_attention: timeout {timeout!r} is too large for a datetime.timedelta") from None
+
+
+_META_FIELDS = ("q shape", "k/v shape", "dtype", "causal", "layout", "softmax_scale", "return_lse",
+                "K/V transport", "window_size", "documents")
+
+
+def _describe(meta: Sequence[int]) -> dict[str, str]:
+    """The agreement row of `ring_attention` as named fields, for a disagreement's message."""
+    if meta[0] < 0:
+        return {name: "(invalid)" for name in _META_FIELDS}
+    dtype = SUPPORTED_DTYPES[meta[8]] if 0 <= meta[8] < len(SUPPORTED_DTYPES) else meta[8]
+    layout = LAYOUTS[meta[10]] if 0 <= meta[10] < len(LAYOUTS) else meta[10]
+    values = (tuple(meta[0:4]), tuple(meta[4:8]), dtype, bool(meta[9]), layout, f"{meta[11] / 2**30:.6g}",
+              bool(meta[12]), "copy engines" if meta[13] else "point-to-point", tuple(meta[14:16]),
+              "none" if meta[16] == 0 else f"{meta[16]} boundaries (digest {meta[17]:014x})")
+    return {name: str(value) for name, value in zip(_META_FIELDS, values)}
+
+
 def _rule_code(rule: Rule | None) -> list[int]:
     """Integers for the agreement that differ when two ranks' windows or documents differ."""
     if rule is None:
@@ -310,6 +358,7 @@ def ring_attention(
     window_size: tuple[int, int] = (-1, -1),
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     backend: str | BlockOp = "auto",
+    timeout: datetime.timedelta | float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention over a sequence sharded across the ranks of `group`.
 
@@ -330,6 +379,10 @@ def ring_attention(
             masked=True)`; `auto` picks one).
         backend: block op: `auto` (`triton` on CUDA, `torch` on CPU), `triton`, `sdpa`, `flash`, `torch`,
             or a `BlockOp`.
+        timeout: the longest any one wait of this call (the agreement, each K/V transfer, each dk/dv
+            message, forward and backward) may take, as a `datetime.timedelta` or seconds; default:
+            the process group's timeout. On NCCL an explicit one makes the host wait for each
+            transfer (`Work.wait(timeout)`); without it the NCCL watchdog enforces the group's.
 
     Returns:
         This rank's `out` `[batch, n, nheads, headdim]` (q's dtype), or `(out, lse)`. Differentiable:
@@ -337,9 +390,14 @@ def ring_attention(
 
     Raises:
         ValueError: on every rank, before any K/V moves, when a rank's inputs are invalid (shapes,
-            dtypes, devices, divisibility) or the ranks disagree on shapes/dtype/options.
+            dtypes, devices, divisibility, timeout) or the ranks disagree on shapes/dtype/options;
+            the same text on every rank, naming every rank's problem.
+        RuntimeError: when a rank dies or stalls: every surviving rank, within the timeout, naming
+            the phase, the ring step and the peer it waited for; and at once on a group where an
+            earlier ring call failed (README "Failure behaviour").
     """
     comm = RingComm.for_group(group)
+    comm.check_usable()
     layout = default_layout(causal is True) if layout is None else layout
     rule, error = _local_rule(q, k, v, layout, causal, window_size, cu_seqlens, return_lse, comm) \
         if layout in LAYOUTS else (None, f"unknown layout {layout!r}; choose one of {LAYOUTS}")
@@ -347,6 +405,10 @@ def ring_attention(
         pull = use_copy_engines(comm)
     except ValueError as e:
         pull, error = False, error or str(e)
+    try:
+        limit = _check_timeout(timeout)
+    except ValueError as e:
+        limit, error = None, error or str(e)
     scale = None
     if error is None:
         try:
@@ -361,9 +423,10 @@ def ring_attention(
     meta = [*shapes, _DTYPE_CODES.get(q.dtype, -1) if error is None else -1, int(causal is True),
             _LAYOUT_CODES.get(layout, -1), round((scale or 0.0) * 2**30), int(return_lse is True), int(pull),
             *_rule_code(rule if error is None else None)]
-    check = comm.post_agreement(meta, error)
+    check = comm.post_agreement(meta, error, limit, _describe)
     if error is not None:
         check()  # raises on every rank; the others raise in their check() below
     plans, peer_plans = step_plans(layout, comm.rank, comm.world, q.shape[1], rule)
-    out, lse = planned_attention(q, k, v, _RingPlan(op, scale, comm, plans, peer_plans, return_lse, pull, check))
+    ring = _RingPlan(op, scale, comm, plans, peer_plans, return_lse, pull, check, comm.transfer_limit(limit))
+    out, lse = planned_attention(q, k, v, ring)
     return (out, lse) if return_lse else out
