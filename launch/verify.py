@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 import ringlse
 from ringlse.testing import judge_all, ring_with_grads
 
-BACKENDS = ("triton", "sdpa", "flash", "torch")
+BACKENDS = ("triton", "sdpa", "flash", "fa4", "fa2", "torch")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 

@@ -1,14 +1,17 @@
 """Block ops: the contract (`ringlse.blocks.contract`), one module per backend, and this registry.
 
-| name     | module                          | what                                               |
-| -------- | ------------------------------- | -------------------------------------------------- |
-| `triton` | `ringlse.blocks.triton_kernels` | ringlse's Triton kernels (`ringlse.kernels`)       |
-| `sdpa`   | `ringlse.blocks.sdpa`           | PyTorch's fused attention ops (cuDNN, flash, ...)  |
-| `flash`  | `ringlse.blocks.flash`          | the flash-attn 2 package                           |
-| `torch`  | `ringlse.blocks.torch_math`     | PyTorch math, any device and dtype                 |
+| name     | module                          | what                                                          |
+| -------- | ------------------------------- | ------------------------------------------------------------- |
+| `triton` | `ringlse.blocks.triton_kernels` | ringlse's Triton kernels (`ringlse.kernels`)                  |
+| `sdpa`   | `ringlse.blocks.sdpa`           | PyTorch's fused attention ops (cuDNN, flash, ...)             |
+| `flash`  | (`fa4` or `fa2`)                | the best FlashAttention installed: `fa4` on sm90+, else `fa2` |
+| `fa4`    | `ringlse.blocks.fa4`            | FlashAttention-4 (`flash_attn.cute`, flash-attn-4), sm90+     |
+| `fa2`    | `ringlse.blocks.flash`          | the flash-attn 2 package, sm80+                               |
+| `torch`  | `ringlse.blocks.torch_math`     | PyTorch math, any device and dtype                            |
 
-A backend module is imported only when its op is asked for, so `import ringlse` needs neither Triton
-nor a GPU.
+A backend module is imported only when its op is asked for (`ringlse.blocks.fa4`, which imports
+without FlashAttention-4, also when the registry asks whether FA4 can run), so `import ringlse` needs
+neither Triton nor a GPU. A FlashAttention package is imported the first time the registry asks about it.
 """
 
 from __future__ import annotations
@@ -28,11 +31,19 @@ _HALF = (torch.bfloat16, torch.float16)
 _BACKENDS: dict[str, tuple[str, str, tuple[torch.dtype, ...], bool]] = {
     "triton": ("ringlse.blocks.triton_kernels", "TRITON_BLOCK_OP", (*_HALF, torch.float32), True),
     "sdpa": ("ringlse.blocks.sdpa", "SDPA_BLOCK_OP", (*_HALF, torch.float32), False),
+    # the best of _FLASH_ORDER that can run (get_block_op returns that one's op; the entry's own op
+    # is fa2's under its former name)
     "flash": ("ringlse.blocks.flash", "FLASH_BLOCK_OP", _HALF, False),
+    "fa4": ("ringlse.blocks.fa4", "FA4_BLOCK_OP", _HALF, False),
+    "fa2": ("ringlse.blocks.flash", "FA2_BLOCK_OP", _HALF, False),
     "torch": ("ringlse.blocks.torch_math", "TORCH_BLOCK_OP", (*_HALF, torch.float32, torch.float64), True),
 }
 # what `auto` takes on CUDA, first that can run the call
 _AUTO_CUDA = ("triton", "sdpa", "torch")
+# what `flash` stands for, best first
+_FLASH_ORDER = ("fa4", "fa2")
+# the GPU each FlashAttention needs (compute capability)
+_MIN_CAPABILITY = {"fa4": (9, 0), "fa2": (8, 0)}
 
 
 @cache
@@ -42,9 +53,22 @@ def _flash_attn_2_missing() -> str | None:
         importlib.import_module("flash_attn.flash_attn_interface")
     except ImportError as err:
         cute = _has_module("flash_attn") and _has_module("flash_attn.cute")
-        extra = " (FlashAttention-4, flash_attn.cute, is installed, but this backend speaks flash-attn 2)" if cute else ""
+        extra = " (FlashAttention-4, flash_attn.cute, is installed: that is backend 'fa4')" if cute else ""
         return f"flash-attn 2 is not installed: {err}{extra}"
     return None
+
+
+def _fa4_missing() -> str | None:
+    """Why FlashAttention-4's interface cannot be used, or None (imported once, on first ask)."""
+    return importlib.import_module("ringlse.blocks.fa4").interface_missing()
+
+
+def _capability(device: torch.device) -> tuple[int, int] | str:
+    """The GPU's compute capability, or why it cannot be read."""
+    try:
+        return tuple(torch.cuda.get_device_capability(device))
+    except Exception as err:  # torch without CUDA, no such device
+        return f"cannot read the GPU's compute capability: {type(err).__name__}: {err}"
 
 
 def _has_module(name: str) -> bool:
@@ -77,10 +101,20 @@ def backend_unavailable_reason(name: str, device: torch.device | str, dtype: tor
     if device.type != "cuda":
         return f"{name} needs a CUDA device"
     if name == "flash":
-        missing = _flash_attn_2_missing()
-        if missing is None and torch.cuda.get_device_capability(device) < (8, 0):
-            return "flash-attn 2 needs an sm80 or newer GPU"
-        return missing
+        reasons = [(n, backend_unavailable_reason(n, device, dtype, masked)) for n in _FLASH_ORDER]
+        if any(r is None for _, r in reasons):
+            return None
+        return "no FlashAttention can run here: " + "; ".join(f"{n}: {r}" for n, r in reasons)
+    if name in _MIN_CAPABILITY:
+        missing = _fa4_missing() if name == "fa4" else _flash_attn_2_missing()
+        if missing is not None:
+            return missing
+        cap, need = _capability(device), _MIN_CAPABILITY[name]
+        if isinstance(cap, str):
+            return cap
+        if cap < need:
+            what = "FlashAttention-4" if name == "fa4" else "flash-attn 2"
+            return f"{what} needs an sm{need[0]}{need[1]} or newer GPU, this one is sm{cap[0]}{cap[1]}"
     return None
 
 
@@ -94,7 +128,8 @@ def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torc
                  masked: bool = False) -> BlockOp:
     """The block op for `backend` on `device` and inputs of `dtype`. `auto` is the first of `triton`,
     `sdpa`, `torch` that can run the call on CUDA (float64: `torch`; `masked`: one that takes
-    windows and documents as intervals), and `torch` elsewhere. A
+    windows and documents as intervals), and `torch` elsewhere. `flash` is `fa4`'s op where
+    FlashAttention-4 imports and the GPU is sm90 or newer, else `fa2`'s. A
     `BlockOp` is returned as it is (your own kernels, or a registry op on a device it is not offered
     for, such as `sdpa`'s CPU kernels in tests).
 
@@ -120,6 +155,8 @@ def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torc
             + (f" for {dtype}" if dtype is not None else "")
             + f": {reason}; available here: {available_backends(device, dtype, masked)} (or 'auto')"
         )
+    if name == "flash":  # the best FlashAttention that can run
+        name = next(n for n in _FLASH_ORDER if backend_unavailable_reason(n, device, dtype, masked) is None)
     module, attr, _, _ = _BACKENDS[name]
     return getattr(importlib.import_module(module), attr)
 

@@ -1,4 +1,8 @@
-"""The `flash` block op: the flash-attn package's FlashAttention-2 kernels (`flash_attn`, CUDA only).
+"""The `fa2` block op: the flash-attn package's FlashAttention-2 kernels (`flash_attn`, CUDA sm80+ only).
+
+The registry's `flash` is the best FlashAttention installed: `fa4` (`ringlse.blocks.fa4`) where
+FlashAttention-4 imports and the GPU is sm90 or newer, else this one. `FLASH_BLOCK_OP` is this op
+under the name it had before `fa4` existed (for callers that pass it as a `BlockOp`).
 
 flash-attn is imported when this op first runs, so this module imports without it. We call its
 internals `flash_attn.flash_attn_interface._flash_attn_forward` / `_flash_attn_backward`, which return
@@ -33,7 +37,7 @@ def _interface():
         import flash_attn
         from flash_attn import flash_attn_interface
     except ImportError as err:
-        raise RuntimeError(f"the flash backend needs the flash-attn package: {err}") from err
+        raise RuntimeError(f"the fa2 backend (FlashAttention-2) needs the flash-attn package: {err}") from err
     version = tuple(int(p) for p in flash_attn.__version__.split("+")[0].split(".")[:3] if p.isdigit())
     return flash_attn_interface, version
 
@@ -76,7 +80,7 @@ def _common(causal: bool, scale: float) -> dict:
 
 def _check_dtype(q: torch.Tensor) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the flash backend (flash-attn) supports fp16/bf16 only, got {q.dtype}")
+        raise ValueError(f"the fa2 backend (flash-attn 2) supports fp16/bf16 only, got {q.dtype}")
 
 
 def _flash_forward(q, k, v, causal, scale):
@@ -114,4 +118,5 @@ FLASH_KERNELS = KernelSet(
 )
 
 
-FLASH_BLOCK_OP = fused_block_op("flash", FLASH_KERNELS)
+FA2_BLOCK_OP = fused_block_op("fa2", FLASH_KERNELS)
+FLASH_BLOCK_OP = fused_block_op("flash", FLASH_KERNELS)  # the same op under its former registry name

@@ -1,0 +1,250 @@
+"""The `fa4` block op: FlashAttention-4 (`flash_attn.cute`, pip package flash-attn-4), CUDA sm90+ only.
+
+FlashAttention-4 is written in the CuTe Python DSL and compiles each kernel configuration at its first
+use. It is imported when this op first runs (or when the registry asks whether it can), so this
+module imports without it. We call the internals of `flash_attn.cute.interface`, as found in
+flash-attn-4 4.0.0b36, by keyword:
+
+- `_flash_attn_fwd(q, k, v, ..., softmax_scale=None, causal=False, ..., window_size_left=None,
+  window_size_right=None, ..., return_lse=False, ...)` -> `(out, lse, p, row_max, o_lo)`: `lse`
+  `[b, h, sq]` float32, natural log, `-inf` on rows that see no key (`out` 0 there); None unless
+  `return_lse=True` or an input requires grad.
+- `_flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
+  window_size_left=None, window_size_right=None, ..., dlse=None, ...)` -> `(dq, dk, dv)` in the
+  inputs' dtype: it takes the *global* `out`/`lse`, computes `rowsum(dout * out)` itself and
+  subtracts `dlse` from it, so the lse gradient costs nothing extra (the driver's generic term costs
+  a forward and a backward pass per piece); an lse of `+inf` gives `P = 0`.
+- Causal masks and windows align bottom-right (key j visible to query i iff
+  `j <= i + sk - sq [+ right]`), windows are `(left, right)` with None = unbounded (-1 is not
+  "unbounded" there, except when both are negative); GQA is native (dk/dv come back with K/V's
+  heads); fp16/bf16; head dims 8..256 in multiples of 8 on sm90 (8..128, (192, 128) or 256 on
+  sm100); the backward asserts sm90 or newer.
+
+What this module adds, on the shared driver of `ringlse.blocks.fused`:
+- causal blocks at any global offsets (CONVENTIONS.md §4) as at most two pieces that use only FA4's
+  plain causal and non-causal kernels, with disjoint query rows (no merge between them):
+  `split_causal_block_bottom_right`;
+- the lse in ringlse's convention (`norm_lse`: `[b, h, sq]` float32, `-inf` on empty rows);
+- a backward that passes the lse gradient to FA4 as `dlse` (`bottom_right_block_op`);
+- head dims that are not a multiple of 8 zero-padded and sliced back.
+
+Windows and documents: the op keeps `takes_intervals=False`. A block's rule arrives as per-row
+intervals (`ringlse.masks.Intervals`, tensors), and reading a band back out of them would cost a
+device-to-host copy per block; so documents run as one plain block per document (the driver's
+callers cut them) and windows raise a ValueError that names the backends taking them.
+`fa4_mask_args` maps a block's causal/window rule to FA4's native arguments; the benchmark uses it
+to give bare FA4 the same visible work, and a later op taking the rule could use it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import replace
+from functools import cache, partial
+
+import torch
+
+from ringlse.blocks.contract import BlockGrads, BlockOp
+from ringlse.blocks.fused import KernelSet, fused_block_op, norm_lse
+from ringlse.checks import lse_dtype
+from ringlse.masks import Piece, check_window
+from ringlse.merge import GradPart, add_parts
+
+WRITTEN_FOR = "4.0.0b36"
+# the keyword arguments we pass; a release without one of them is refused by name
+_FWD_ARGS = ("q", "k", "v", "softmax_scale", "causal", "window_size_left", "window_size_right", "return_lse")
+_BWD_ARGS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "window_size_left",
+             "window_size_right", "dlse")
+
+
+def _params(fn: Callable) -> set[str] | None:
+    for cand in (fn, getattr(fn, "__wrapped__", None)):
+        if cand is None:
+            continue
+        try:
+            return set(inspect.signature(cand).parameters)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
+def _version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("flash-attn-4")
+    except Exception:  # not installed as a distribution (a stand-in, a source tree)
+        return None
+
+
+@cache
+def _load():
+    """`(flash_attn.cute.interface, None)`, or `(None, why it cannot be used)`; tried once."""
+    try:
+        iface = importlib.import_module("flash_attn.cute.interface")
+    except Exception as err:  # ImportError, or the CuTe DSL failing to load its libraries
+        return None, (f"FlashAttention-4 (pip package flash-attn-4, module flash_attn.cute) does not import: "
+                      f"{type(err).__name__}: {err}")
+    for fn_name, needed in (("_flash_attn_fwd", _FWD_ARGS), ("_flash_attn_bwd", _BWD_ARGS)):
+        fn = getattr(iface, fn_name, None)
+        params = None if fn is None else _params(fn)
+        lacking = sorted(set(needed) - params) if params is not None else None
+        if fn is None or lacking:
+            what = "is missing" if fn is None else ("has no readable signature" if lacking is None
+                                                     else f"lacks the arguments {lacking}")
+            return None, (f"FlashAttention-4 {_version() or '(version unknown)'}: flash_attn.cute.interface."
+                          f"{fn_name} {what} (the fa4 backend is written against flash-attn-4 {WRITTEN_FOR})")
+    return iface, None
+
+
+def interface_missing() -> str | None:
+    """Why FlashAttention-4's interface cannot be used, or None (the registry asks this)."""
+    return _load()[1]
+
+
+def _interface():
+    iface, why = _load()
+    if iface is None:
+        raise RuntimeError(f"the fa4 backend needs FlashAttention-4: {why}")
+    return iface
+
+
+def _pad8(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1]
+    return x if d % 8 == 0 else torch.nn.functional.pad(x, (0, 8 - d % 8))
+
+
+def _check_dtype(q: torch.Tensor) -> None:
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the fa4 backend (FlashAttention-4) supports fp16/bf16 only, got {q.dtype}")
+
+
+def _fa4_forward(q, k, v, causal, scale):
+    """One FA4 forward call (causal: bottom-right) -> `(out, lse)` in ringlse's lse convention."""
+    _check_dtype(q)
+    d = q.shape[-1]
+    res = _interface()._flash_attn_fwd(
+        _pad8(q), _pad8(k), _pad8(v), softmax_scale=scale, causal=causal, window_size_left=None,
+        window_size_right=None, return_lse=True,
+    )
+    out, lse = res[0], res[1]
+    return out[..., :d], norm_lse(lse, q.shape[1])
+
+
+def _fa4_backward(dout, q, k, v, out, lse, causal, scale, dlse=None):
+    """One FA4 backward call with the global `out`/`lse` rows (and lse gradient `dlse`) -> `(dq, dk, dv)`."""
+    _check_dtype(q)
+    d = q.shape[-1]
+    dq, dk, dv = _interface()._flash_attn_bwd(
+        _pad8(q), _pad8(k), _pad8(v), _pad8(out), _pad8(dout), lse.float().contiguous(), softmax_scale=scale,
+        causal=causal, window_size_left=None, window_size_right=None,
+        dlse=None if dlse is None else dlse.float().contiguous(),
+    )[:3]
+    return dq[..., :d], dk[..., :d], dv[..., :d]
+
+
+def split_causal_block_bottom_right(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int) -> list[Piece]:
+    """Cover a causal block at global offsets (key j visible to query i iff `k_start + j <= q_start + i`)
+    with at most two pieces for kernels whose causal mask is bottom-right aligned on any shape
+    (FlashAttention-4, flash-attn >= 2.1): a causal piece `q[i0:r1] x k[0:r1 + offset]`, whose
+    bottom-right diagonal is exactly the block's, then the rows that see every key as one plain
+    piece. Rows before `i0` see nothing and are left out; the causal piece never has more rows than
+    keys, so it has no empty row either, and the two pieces share no query row."""
+    offset = q_start - k_start  # row i sees keys j <= i + offset
+    i0 = max(0, -offset)
+    if i0 >= seqlen_q or seqlen_k <= 0:
+        return []
+    r1 = max(i0, min(seqlen_q, seqlen_k - offset))  # rows from r1 on see all seqlen_k keys
+    pieces: list[Piece] = []
+    if r1 > i0:
+        pieces.append(Piece(i0, r1, 0, r1 + offset, True))
+    if r1 < seqlen_q:
+        pieces.append(Piece(r1, seqlen_q, 0, seqlen_k, False))
+    return pieces
+
+
+def _pieces(ks: KernelSet, sq: int, sk: int, q_start: int, k_start: int, causal: bool) -> list[Piece]:
+    if not causal:
+        return [Piece(0, sq, 0, sk, False)] if sq and sk else []
+    return ks.causal_pieces(sq, sk, q_start, k_start)
+
+
+def _native_lse_grad_parts(ks: KernelSet, dout, q, k, v, out, lse, delta, *, softmax_scale: float, causal: bool,
+                           q_start: int, k_start: int, lse_grad: torch.Tensor | None = None) -> BlockGrads:
+    """The block-op `backward_parts` for kernels whose backward takes the lse gradient (`dlse=`):
+    one backward call per piece, gradients as the kernels return them. `delta` is not read."""
+    sq, sk = q.shape[1], k.shape[1]
+    acc = lse_dtype(q.dtype)
+    grads = BlockGrads([], [], [])
+    with torch.no_grad():
+        pieces = _pieces(ks, sq, sk, q_start, k_start, causal)
+        if not pieces:
+            return grads
+        dout = dout.to(q.dtype).contiguous()
+        out = out.to(q.dtype).contiguous()
+        lse = lse.to(acc)
+        # rows that saw nothing anywhere: +inf gives P = 0 (FA4 reads -inf as 0, which would not)
+        lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+        e = None if lse_grad is None else lse_grad.to(acc)
+        for p in pieces:
+            rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
+            dq, dk, dv = ks.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows],
+                                     p.causal, softmax_scale, dlse=None if e is None else e[:, :, rows])
+            grads.dq.append(GradPart(p.q0, dq))
+            grads.dk.append(GradPart(p.k0, dk))
+            grads.dv.append(GradPart(p.k0, dv))
+    return grads
+
+
+def _accumulating_backward(parts: Callable, dout, q, k, v, out, lse, delta, *, dq_acc, dk_acc, dv_acc, **block) -> None:
+    for acc, grads in zip((dq_acc, dk_acc, dv_acc), parts(dout, q, k, v, out, lse, delta, **block)):
+        add_parts(acc, grads)
+
+
+def bottom_right_block_op(name: str, forward: Callable, backward: Callable) -> BlockOp:
+    """A block op over kernels with FlashAttention-4's conventions: `forward(q, k, v, causal, scale)
+    -> (out, lse)`, `backward(dout, q, k, v, out, lse, causal, scale, dlse=None) -> (dq, dk, dv)`,
+    causal bottom-right on any shape, native GQA. Forward (and `forward_parts`) run on the shared
+    driver; backward passes the lse gradient to the kernels."""
+    ks = KernelSet(forward=forward, backward=backward, native_gqa=True, causal_pieces=split_causal_block_bottom_right)
+    parts = partial(_native_lse_grad_parts, ks)
+    return replace(fused_block_op(name, ks), backward=partial(_accumulating_backward, parts), backward_parts=parts)
+
+
+def fa4_mask_args(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int, causal: bool,
+                  window_size: tuple[int, int] = (-1, -1)) -> tuple[bool, tuple[int | None, int | None]]:
+    """FA4's native `(causal, window_size)` for a block of `seqlen_q` queries at `q_start` and
+    `seqlen_k` keys at `k_start` under ringlse's rule (CONVENTIONS.md §4, §10: `window_size`
+    `(left, right)`, -1 unbounded), for FA4's bottom-right alignment and None = unbounded.
+
+    Raises:
+        ValueError: a window bound FA4 would need below zero (it is not known to take those, and it
+            reads two negative bounds as "unbounded").
+    """
+    left, right = check_window(window_size, "fa4_mask_args")
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    shift = (q_start - k_start) - (seqlen_k - seqlen_q)  # ringlse's diagonal relative to FA4's
+    wl = None if left < 0 else left - shift
+    wr = None if right < 0 else right + shift
+    if wl is None and wr is None:
+        return False, (None, None)
+    if wl is None and wr == 0:
+        return True, (None, None)
+    bad = [f"{n} {w}" for n, w in (("left", wl), ("right", wr)) if w is not None and w < 0]
+    if bad:
+        raise ValueError(f"fa4_mask_args: FlashAttention-4 would need a negative window bound ({', '.join(bad)}) "
+                         f"for causal={causal}, window_size={window_size} at q_start={q_start}, k_start={k_start} "
+                         f"with {seqlen_q} queries and {seqlen_k} keys")
+    return False, (wl, wr)
+
+
+FA4_KERNELS = KernelSet(forward=_fa4_forward, backward=_fa4_backward, native_gqa=True,
+                        causal_pieces=split_causal_block_bottom_right)
+
+FA4_BLOCK_OP = bottom_right_block_op("fa4", _fa4_forward, _fa4_backward)
+
+__all__ = ["FA4_BLOCK_OP", "FA4_KERNELS", "bottom_right_block_op", "fa4_mask_args", "interface_missing",
+           "split_causal_block_bottom_right"]
