@@ -422,7 +422,7 @@ CASES = [
     pytest.param((1, 97, 65, 4, 2, 80, True, 40, 30), id="offset-gqa"),
     pytest.param((1, 80, 30, 2, 1, 24, True, 10, 0), id="more-queries-than-keys-mqa"),
     pytest.param((1, 33, 50, 3, 1, 16, True, 0, 20), id="masked-rows-mqa"),
-    pytest.param((1, 48, 48, 2, 2, 36, True, 0, 1), id="stripe-d36-padded"),
+    pytest.param((1, 48, 48, 2, 2, 40, True, 0, 1), id="stripe-d40"),
     pytest.param((1, 40, 50, 2, 1, 16, True, 50, 0), id="off-diagonal-full"),
     pytest.param((1, 20, 30, 2, 2, 16, True, 0, 40), id="empty"),
     pytest.param((2, 33, 50, 4, 2, 64, False, 0, 0), id="not-causal-gqa"),
@@ -444,14 +444,14 @@ def test_fa4_op_call_pattern(fake_fa4):
     causal pieces are FA4's causal, everything unbounded is None, the scale is always passed."""
     run = _block(FA4_BLOCK_OP, True, 32, 0, scale=0.2)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = _qkv(1, 64, 64, 2, 2, 36, torch.float16, "cpu", gen)
+    q, k, v = _qkv(1, 64, 64, 2, 2, 40, torch.float16, "cpu", gen)
     out, lse = run(q, k, v)
     assert fake_fa4.calls["fwd"] == 2  # causal piece + the rows that see every key
     assert fake_fa4.calls["masks"] == [("fwd", 32, 64, True, None, None), ("fwd", 32, 64, False, None, None)]
     (out.float().sum() + lse.sum()).backward()
     assert fake_fa4.calls["fwd"] == 2 and fake_fa4.calls["bwd"] == 2
     assert [m[3] for m in fake_fa4.calls["masks"][2:]] == [True, False]
-    # d = 36 is padded to 40: a missing scale would have made the stand-in use 40 ** -0.5
+    # a missing scale would have made the stand-in use its default 40 ** -0.5
     ref_out, ref_lse = reference_attention(q.detach().double(), k.detach().double(), v.detach().double(), causal=True,
                                            softmax_scale=0.2, q_start=32, k_start=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
@@ -720,7 +720,7 @@ GPU_CASES = [
     pytest.param((1, 1025, 640, 8, 2, 128, True, 700, 300), id="offset-gqa"),
     pytest.param((1, 1000, 300, 4, 1, 64, True, 100, 0), id="more-queries-than-keys-mqa"),
     pytest.param((2, 97, 200, 4, 1, 64, True, 100, 150), id="masked-rows-mqa"),
-    pytest.param((1, 512, 512, 4, 4, 36, True, 0, 1), id="stripe-d36-padded"),
+    pytest.param((1, 512, 512, 4, 4, 40, True, 0, 1), id="stripe-d40"),
     pytest.param((1, 512, 640, 8, 2, 128, True, 640, 0), id="off-diagonal-full"),
     pytest.param((1, 640, 1025, 8, 2, 64, False, 0, 0), id="not-causal-gqa-d64"),
 ]
@@ -740,7 +740,7 @@ def test_fa4_gpu_no_lse_grad_and_flash_resolves_to_fa4(case):
     """Without an lse gradient (dlse=None: FA4 compiles another backward), through `flash`."""
     assert ringlse.get_block_op("flash", "cuda", torch.bfloat16) is FA4_BLOCK_OP
     assert {"fa4", "flash"} <= set(ringlse.available_backends("cuda"))
-    b, sq, sk, h, hkv, d, causal, q_start, k_start = case.values[0]
+    b, sq, sk, h, hkv, d, causal, q_start, k_start = case
     check_against_reference(_block("flash", causal, q_start, k_start), b, sq, sk, h, hkv, d, torch.bfloat16, "cuda",
                             lse_grad=False, seed=4, causal=causal, q_start=q_start, k_start=k_start)
 
@@ -794,3 +794,11 @@ def test_fa4_gpu_mask_args_match_the_rule(q_start, causal, window):
     assert_judged("out", out, ref_out, b_out, torch.bfloat16)
     assert_judged("lse", lse, ref_lse, b_lse, torch.bfloat16, is_lse=True)
 
+
+
+def test_fa4_refuses_head_dims_that_are_not_multiples_of_8(fake_fa4):
+    """Zero-padding them gave a wrong dq with the real FA4 on H100 (head dim 36): refused instead."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _qkv(1, 16, 16, 2, 2, 36, torch.float16, "cpu", gen)
+    with pytest.raises(ValueError, match="multiples of 8, got 36"):
+        _block(FA4_BLOCK_OP, True, 0, 0)(q, k, v)

@@ -26,7 +26,8 @@ What this module adds, on the shared driver of `ringlse.blocks.fused`:
   `split_causal_block_bottom_right`;
 - the lse in ringlse's convention (`norm_lse`: `[b, h, sq]` float32, `-inf` on empty rows);
 - a backward that passes the lse gradient to FA4 as `dlse` (`bottom_right_block_op`);
-- head dims that are not a multiple of 8 zero-padded and sliced back.
+- head dims that are not a multiple of 8 refused: zero-padded to one, FA4's backward gave a wrong dq on
+  H100 (head dim 36 padded to 40, 4.0.0b36; `benchmarks/NOTES.md`).
 
 Windows and documents: the op keeps `takes_intervals=False`. A block's rule arrives as per-row
 intervals (`ringlse.masks.Intervals`, tensors), and reading a band back out of them would cost a
@@ -111,38 +112,34 @@ def _interface():
     return iface
 
 
-def _pad8(x: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1]
-    return x if d % 8 == 0 else torch.nn.functional.pad(x, (0, 8 - d % 8))
-
-
 def _check_dtype(q: torch.Tensor) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"the fa4 backend (FlashAttention-4) supports fp16/bf16 only, got {q.dtype}")
+    if q.shape[-1] % 8:
+        raise ValueError(f"the fa4 backend (FlashAttention-4) takes head dims that are multiples of 8, got "
+                         f"{q.shape[-1]} (the triton, sdpa and torch backends take it)")
 
 
 def _fa4_forward(q, k, v, causal, scale):
     """One FA4 forward call (causal: bottom-right) -> `(out, lse)` in ringlse's lse convention."""
     _check_dtype(q)
-    d = q.shape[-1]
     res = _interface()._flash_attn_fwd(
-        _pad8(q), _pad8(k), _pad8(v), softmax_scale=scale, causal=causal, window_size_left=None,
+        q, k, v, softmax_scale=scale, causal=causal, window_size_left=None,
         window_size_right=None, return_lse=True,
     )
     out, lse = res[0], res[1]
-    return out[..., :d], norm_lse(lse, q.shape[1])
+    return out, norm_lse(lse, q.shape[1])
 
 
 def _fa4_backward(dout, q, k, v, out, lse, causal, scale, dlse=None):
     """One FA4 backward call with the global `out`/`lse` rows (and lse gradient `dlse`) -> `(dq, dk, dv)`."""
     _check_dtype(q)
-    d = q.shape[-1]
     dq, dk, dv = _interface()._flash_attn_bwd(
-        _pad8(q), _pad8(k), _pad8(v), _pad8(out), _pad8(dout), lse.float().contiguous(), softmax_scale=scale,
+        q, k, v, out, dout, lse.float().contiguous(), softmax_scale=scale,
         causal=causal, window_size_left=None, window_size_right=None,
         dlse=None if dlse is None else dlse.float().contiguous(),
     )[:3]
-    return dq[..., :d], dk[..., :d], dv[..., :d]
+    return dq, dk, dv
 
 
 def split_causal_block_bottom_right(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int) -> list[Piece]:
