@@ -256,6 +256,9 @@ def ring_fault(rank, world, victim: int, where: str, action: str, timeout, secon
                .requires_grad_() for i in range(3))
     call_no = 2
     op = _fault_op(victim, rank, where if where != "agreement" else "forward", call_no, action, seconds)
+    # every rank has finished joining the group before anyone fails (an exit during the others'
+    # connection set-up fails their init instead of the ring call under test)
+    torch.distributed.barrier()
     if where == "agreement" and rank == victim:
         if action == "exit":
             import os
