@@ -48,10 +48,10 @@ from functools import cache, partial
 import torch
 
 from ringlse.blocks.contract import BlockGrads, BlockOp
-from ringlse.blocks.fused import KernelSet, fused_block_op, norm_lse
-from ringlse.checks import lse_dtype
+from ringlse.blocks.fused import (KernelSet, accumulate_parts, backward_operands, block_pieces, fused_block_op,
+                                  norm_lse)
 from ringlse.masks import Piece, check_window
-from ringlse.merge import GradPart, add_parts
+from ringlse.merge import GradPart
 
 WRITTEN_FOR = "4.0.0b36"
 # the keyword arguments we pass; a release without one of them is refused by name
@@ -162,29 +162,18 @@ def split_causal_block_bottom_right(seqlen_q: int, seqlen_k: int, q_start: int, 
     return pieces
 
 
-def _pieces(ks: KernelSet, sq: int, sk: int, q_start: int, k_start: int, causal: bool) -> list[Piece]:
-    if not causal:
-        return [Piece(0, sq, 0, sk, False)] if sq and sk else []
-    return ks.causal_pieces(sq, sk, q_start, k_start)
-
-
 def _native_lse_grad_parts(ks: KernelSet, dout, q, k, v, out, lse, delta, *, softmax_scale: float, causal: bool,
                            q_start: int, k_start: int, lse_grad: torch.Tensor | None = None) -> BlockGrads:
     """The block-op `backward_parts` for kernels whose backward takes the lse gradient (`dlse=`):
     one backward call per piece, gradients as the kernels return them. `delta` is not read."""
     sq, sk = q.shape[1], k.shape[1]
-    acc = lse_dtype(q.dtype)
     grads = BlockGrads([], [], [])
     with torch.no_grad():
-        pieces = _pieces(ks, sq, sk, q_start, k_start, causal)
+        pieces = block_pieces(ks, sq, sk, q_start, k_start, causal)
         if not pieces:
             return grads
-        dout = dout.to(q.dtype).contiguous()
-        out = out.to(q.dtype).contiguous()
-        lse = lse.to(acc)
-        # rows that saw nothing anywhere: +inf gives P = 0 (FA4 reads -inf as 0, which would not)
-        lse = lse.masked_fill(lse == float("-inf"), float("inf"))
-        e = None if lse_grad is None else lse_grad.to(acc)
+        # rows that saw nothing anywhere get lse +inf, so P = 0 (FA4 reads -inf as 0, which would not)
+        dout, out, _, lse, e = backward_operands(q, dout, out, lse, lse_grad)
         for p in pieces:
             rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
             dq, dk, dv = ks.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows],
@@ -195,11 +184,6 @@ def _native_lse_grad_parts(ks: KernelSet, dout, q, k, v, out, lse, delta, *, sof
     return grads
 
 
-def _accumulating_backward(parts: Callable, dout, q, k, v, out, lse, delta, *, dq_acc, dk_acc, dv_acc, **block) -> None:
-    for acc, grads in zip((dq_acc, dk_acc, dv_acc), parts(dout, q, k, v, out, lse, delta, **block)):
-        add_parts(acc, grads)
-
-
 def bottom_right_block_op(name: str, forward: Callable, backward: Callable) -> BlockOp:
     """A block op over kernels with FlashAttention-4's conventions: `forward(q, k, v, causal, scale)
     -> (out, lse)`, `backward(dout, q, k, v, out, lse, causal, scale, dlse=None) -> (dq, dk, dv)`,
@@ -207,7 +191,7 @@ def bottom_right_block_op(name: str, forward: Callable, backward: Callable) -> B
     driver; backward passes the lse gradient to the kernels."""
     ks = KernelSet(forward=forward, backward=backward, native_gqa=True, causal_pieces=split_causal_block_bottom_right)
     parts = partial(_native_lse_grad_parts, ks)
-    return replace(fused_block_op(name, ks), backward=partial(_accumulating_backward, parts), backward_parts=parts)
+    return replace(fused_block_op(name, ks), backward=partial(accumulate_parts, parts), backward_parts=parts)
 
 
 def fa4_mask_args(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int, causal: bool,

@@ -50,7 +50,7 @@ class KernelSet:
     causal_pieces: Callable[[int, int, int, int], list[Piece]] = split_causal_block
 
 
-def _pieces(ks: KernelSet, sq: int, sk: int, q_start: int, k_start: int, causal: bool) -> list[Piece]:
+def block_pieces(ks: KernelSet, sq: int, sk: int, q_start: int, k_start: int, causal: bool) -> list[Piece]:
     if not causal:
         return [Piece(0, sq, 0, sk, False)] if sq and sk else []
     return ks.causal_pieces(sq, sk, q_start, k_start)
@@ -90,7 +90,7 @@ def fused_block_states(
     states = []
     with torch.no_grad():
         k, v = _expand_kv(ks, k, h), _expand_kv(ks, v, h)
-        for p in _pieces(ks, q.shape[1], k.shape[1], q_start, k_start, causal):
+        for p in block_pieces(ks, q.shape[1], k.shape[1], q_start, k_start, causal):
             out, lse = ks.forward(q[:, p.q0 : p.q1], k[:, p.k0 : p.k1], v[:, p.k0 : p.k1], p.causal, softmax_scale)
             states.append(StatePart(p.q0, out, lse.to(acc)))
     return states
@@ -147,16 +147,10 @@ def fused_block_parts(
     acc = lse_dtype(q.dtype)
     grads = BlockGrads([], [], [])
     with torch.no_grad():
-        pieces = _pieces(ks, sq, sk, q_start, k_start, causal)
+        pieces = block_pieces(ks, sq, sk, q_start, k_start, causal)
         if not pieces:
             return grads
-        # same dtype and (contiguous) strides for out and dout: cuDNN < 9.5.1 requires equal strides
-        dout = dout.to(q.dtype).contiguous()
-        out = out.to(q.dtype).contiguous()
-        e = None if lse_grad is None else lse_grad.to(acc)
-        lse = lse.to(acc)
-        # kernels compute P = exp(s - lse): +inf turns rows that saw nothing anywhere into P = 0
-        lse_k = lse.masked_fill(lse == float("-inf"), float("inf"))
+        dout, out, lse, lse_k, e = backward_operands(q, dout, out, lse, lse_grad)
         k, v = _expand_kv(ks, k, h), _expand_kv(ks, v, h)
         for p in pieces:
             rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
@@ -179,9 +173,20 @@ def fused_block_parts(
     return grads
 
 
-def fused_block_backward(ks: KernelSet, dout, q, k, v, out, lse, delta, *, dq_acc, dk_acc, dv_acc, **block) -> None:
-    """The block-op backward (see `ringlse.blockop`): `fused_block_parts` added into the accumulators."""
-    grads = fused_block_parts(ks, dout, q, k, v, out, lse, delta, **block)
+def backward_operands(q, dout, out, lse, lse_grad):
+    """`(dout, out, lse, lse_k, e)` as fused backward kernels take them: dout and out in q's dtype and
+    contiguous (cuDNN < 9.5.1 requires equal strides), lse and the lse gradient `e` in the accumulation
+    dtype, and `lse_k` with +inf for rows that saw nothing anywhere (kernels compute P = exp(s - lse):
+    +inf makes it 0 there)."""
+    acc = lse_dtype(q.dtype)
+    lse = lse.to(acc)
+    return (dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous(), lse,
+            lse.masked_fill(lse == float("-inf"), float("inf")), None if lse_grad is None else lse_grad.to(acc))
+
+
+def accumulate_parts(parts: Callable, dout, q, k, v, out, lse, delta, *, dq_acc, dk_acc, dv_acc, **block) -> None:
+    """The block-op backward from a `backward_parts`: its gradients added into the accumulators."""
+    grads = parts(dout, q, k, v, out, lse, delta, **block)
     for acc, parts in zip((dq_acc, dk_acc, dv_acc), grads):
         add_parts(acc, parts)
 
@@ -189,7 +194,8 @@ def fused_block_backward(ks: KernelSet, dout, q, k, v, out, lse, delta, *, dq_ac
 def fused_block_op(name: str, ks: KernelSet) -> BlockOp:
     """The block op (forward, accumulating backward, `forward_parts`, `backward_parts`) of a family of
     fused kernels."""
-    return BlockOp(name, partial(fused_block_forward, ks), partial(fused_block_backward, ks), uses_delta=False,
+    return BlockOp(name, partial(fused_block_forward, ks), partial(accumulate_parts, partial(fused_block_parts, ks)),
+                   uses_delta=False,
                    backward_parts=partial(fused_block_parts, ks), forward_parts=partial(fused_block_states, ks))
 
 
