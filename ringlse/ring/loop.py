@@ -396,6 +396,20 @@ def ring_attention(
             the phase, the ring step and the peer it waited for; and at once on a group where an
             earlier ring call failed (README "Failure behaviour").
     """
+    ring = ring_plan(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group, layout=layout,
+                     return_lse=return_lse, window_size=window_size, cu_seqlens=cu_seqlens, backend=backend,
+                     timeout=timeout)
+    out, lse = planned_attention(q, k, v, ring)
+    return (out, lse) if return_lse else out
+
+
+def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, softmax_scale, group, layout,
+              return_lse, window_size, cu_seqlens, backend, timeout, agree: bool = True) -> _RingPlan:
+    """The `AttentionPlan` of one `ring_attention` call (arguments as there), after every check.
+
+    With `agree` (the forward), every rank compares its inputs with the others' (`ValueError` on
+    every rank on a mismatch, before any K/V moves). `agree=False` rebuilds the plan of a call whose
+    forward already agreed, for a backward run apart from it (the `torch.library` op's)."""
     comm = RingComm.for_group(group)
     comm.check_usable()
     layout = default_layout(causal is True) if layout is None else layout
@@ -423,10 +437,13 @@ def ring_attention(
     meta = [*shapes, _DTYPE_CODES.get(q.dtype, -1) if error is None else -1, int(causal is True),
             _LAYOUT_CODES.get(layout, -1), round((scale or 0.0) * 2**30), int(return_lse is True), int(pull),
             *_rule_code(rule if error is None else None)]
-    check = comm.post_agreement(meta, error, limit, _describe)
-    if error is not None:
-        check()  # raises on every rank; the others raise in their check() below
+    if agree:
+        check = comm.post_agreement(meta, error, limit, _describe)
+        if error is not None:
+            check()  # raises on every rank; the others raise in their check() below
+    else:
+        if error is not None:
+            raise ValueError(error)
+        check = Agreement(lambda: True, lambda: None)
     plans, peer_plans = step_plans(layout, comm.rank, comm.world, q.shape[1], rule)
-    ring = _RingPlan(op, scale, comm, plans, peer_plans, return_lse, pull, check, comm.transfer_limit(limit))
-    out, lse = planned_attention(q, k, v, ring)
-    return (out, lse) if return_lse else out
+    return _RingPlan(op, scale, comm, plans, peer_plans, return_lse, pull, check, comm.transfer_limit(limit))
