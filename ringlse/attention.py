@@ -8,10 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 import torch
 
+from ringlse import library
 from ringlse.blocks import get_block_op
 from ringlse.blocks.contract import BlockCall, BlockOp, planned_attention
 from ringlse.checks import check_flag, check_qkv, check_scale, lse_dtype
 from ringlse.masks import BlockKind, Rule, Span, block_intervals, block_kind, check_docs, check_window
+from ringlse.merge import PartSum
 
 
 class _CallPlan:
@@ -39,6 +41,20 @@ class _CallPlan:
 
     def backward(self, dout, q, k, v, out, lse, delta, lse_grad):
         acc = lse_dtype(q.dtype)
+        if self.op.backward_parts is not None:
+            # kernels that return their gradients (cuDNN, FlashAttention): one call's outputs are the
+            # result as they are, several are summed in one pass; no float32 accumulator is zeroed,
+            # read and rewritten (that cost fa4 up to 1.31x bare FA4's fwd+bwd time; NOTES.md)
+            sums = [PartSum(t.shape, acc, t.device) for t in (q, k, v)]
+            for c in self.calls:
+                rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
+                g = self.op.backward_parts(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
+                                           lse[:, :, rows], None if delta is None else delta[:, :, rows],
+                                           **self._kw(c), lse_grad=None if lse_grad is None else lse_grad[:, :, rows])
+                for total, parts, offset in zip(sums, (g.dq, g.dk, g.dv), (c.q0, c.k0, c.k0)):
+                    for part in parts:
+                        total.add(part, offset)
+            return tuple(total.result(t.dtype) for total, t in zip(sums, (q, k, v)))
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
         for c in self.calls:
             rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
@@ -90,7 +106,20 @@ def _attend(q, k, v, *, causal, softmax_scale, q_start, k_start, window_size, cu
             what):
     """`(out, lse)` over key chunks of `chunk_size` (None: one chunk), after every check; `q_start=None`
     aligns the ends of q and k (bottom-right). Document boundaries index keys and queries alike (both
-    from position 0)."""
+    from position 0). Under torch.compile, one `ringlse::attend` op (`ringlse.library`) runs it."""
+    if isinstance(backend, str) and torch.compiler.is_compiling():
+        return library.attend_op(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=q_start,
+                                 k_start=k_start, window_size=window_size, cu_seqlens=cu_seqlens,
+                                 chunk_size=chunk_size, backend=backend, what=what)
+    return planned_attention(q, k, v, attend_plan(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                                  q_start=q_start, k_start=k_start, window_size=window_size,
+                                                  cu_seqlens=cu_seqlens, chunk_size=chunk_size, backend=backend,
+                                                  what=what))
+
+
+def attend_plan(q, k, v, *, causal, softmax_scale, q_start, k_start, window_size, cu_seqlens, chunk_size, backend,
+                what) -> _CallPlan:
+    """The plan of `_attend`'s call (arguments as there), after every check."""
     check_qkv(q, k, v, what)
     check_flag(causal, "causal", what)
     if q_start is None:
@@ -102,14 +131,16 @@ def _attend(q, k, v, *, causal, softmax_scale, q_start, k_start, window_size, cu
     end = max(q_start + q.shape[1], k_start + k.shape[1])
     docs = check_docs(cu_seqlens, end, what)
     scale = check_scale(softmax_scale, q.shape[-1], what)
-    # windows need intervals; documents alone are cut into plain calls for ops without them
-    op = get_block_op(backend, q.device, q.dtype, masked=window != (-1, -1))
+    # windows need intervals; documents alone are cut into plain calls for ops without them, except
+    # that `auto` takes an op with intervals for them (one launch per block, not per document)
+    op = get_block_op(backend, q.device, q.dtype, masked=window != (-1, -1) or (backend == "auto" and docs is not None),
+                      head_dim=q.shape[-1])
     rule = Rule(causal, window, docs)
     sq, sk = q.shape[1], k.shape[1]
     step = max(sk if chunk_size is None else chunk_size, 1)
     calls = [c for k0 in range(0, sk, step)
              for c in _block_calls(op, rule, 0, sq, k0, min(sk, k0 + step), q_start, k_start + k0, what)]
-    return planned_attention(q, k, v, _CallPlan(op, scale, calls))
+    return _CallPlan(op, scale, calls)
 
 
 def block_attention(
@@ -265,7 +296,7 @@ def varlen_attention(
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     check_qkv(q4, k4, v4, what)
     scale = check_scale(softmax_scale, q.shape[-1], what)
-    op = get_block_op(backend, q.device, q.dtype, masked=window != (-1, -1))
+    op = get_block_op(backend, q.device, q.dtype, masked=window != (-1, -1), head_dim=q.shape[-1])
     rule = Rule(causal, window)
     calls = []
     for (qa, qe), (ka, ke) in zip(zip(qb, qb[1:]), zip(kb, kb[1:])):

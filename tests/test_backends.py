@@ -433,3 +433,25 @@ def test_flash_gpu(case):
                     reason="flash-attn 2 is not installed (the op under test speaks its interface)")
 def test_flash_gpu_accumulators():
     _accumulator_check(block_flash.FLASH_BLOCK_OP, torch.bfloat16, "cuda", seed=22)
+
+
+@pytest.mark.parametrize(
+    ("capability", "dtype", "masked", "expected"),
+    [
+        pytest.param((9, 0), torch.bfloat16, False, ("fa4", "sdpa", "triton", "torch"), id="sm90-bf16-measured"),
+        pytest.param((9, 0), torch.float16, False, ("fa4", "sdpa", "triton", "torch"), id="sm90-fp16-measured"),
+        pytest.param((9, 0), torch.float32, False, ("triton", "sdpa", "torch"), id="sm90-fp32-unmeasured"),
+        pytest.param((8, 0), torch.bfloat16, False, ("triton", "sdpa", "torch"), id="sm80-unmeasured"),
+        pytest.param((10, 0), torch.bfloat16, False, ("triton", "sdpa", "torch"), id="sm100-unmeasured"),
+        pytest.param((9, 0), torch.bfloat16, True, ("triton", "torch"), id="sm90-masked-intervals"),
+        pytest.param(None, torch.bfloat16, False, ("torch",), id="cpu"),
+    ],
+)
+def test_auto_candidates_follow_the_measured_order(capability, dtype, masked, expected):
+    assert ringlse.blocks.auto_candidates(capability, dtype, masked) == expected
+
+
+@pytest.mark.parametrize("head_dim", [36, 40, 80, 264], ids=lambda d: f"d{d}")
+def test_fa4_head_dims_are_refused_by_name(head_dim):
+    reason = ringlse.blocks.backend_unavailable_reason("fa4", "cuda", torch.bfloat16, head_dim=head_dim)
+    assert reason is not None and f"got {head_dim}" in reason and "wrong dq" in reason

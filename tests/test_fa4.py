@@ -415,16 +415,16 @@ def _block(op, causal, q_start, k_start, scale=None):
 
 
 # (b, sq, sk, h, hkv, d, causal, q_start, k_start): every kind of block at global offsets
-CASES = [
-    pytest.param((2, 97, 97, 4, 4, 80, True, 0, 0), id="diag-b2-s97-d80"),
+CASES = [  # head dims FA4's backward computes right (fa4.VERIFIED_HEAD_DIMS)
+    pytest.param((2, 97, 97, 4, 4, 88, True, 0, 0), id="diag-b2-s97-d88"),
     pytest.param((1, 40, 97, 2, 2, 32, True, 57, 0), id="bottom-right-1call"),
-    pytest.param((1, 64, 64, 4, 2, 16, True, 32, 0), id="partial-2pieces-gqa"),
-    pytest.param((1, 97, 65, 4, 2, 80, True, 40, 30), id="offset-gqa"),
+    pytest.param((1, 64, 64, 4, 2, 24, True, 32, 0), id="partial-2pieces-gqa"),
+    pytest.param((1, 97, 65, 4, 2, 88, True, 40, 30), id="offset-gqa"),
     pytest.param((1, 80, 30, 2, 1, 24, True, 10, 0), id="more-queries-than-keys-mqa"),
-    pytest.param((1, 33, 50, 3, 1, 16, True, 0, 20), id="masked-rows-mqa"),
-    pytest.param((1, 48, 48, 2, 2, 40, True, 0, 1), id="stripe-d40"),
-    pytest.param((1, 40, 50, 2, 1, 16, True, 50, 0), id="off-diagonal-full"),
-    pytest.param((1, 20, 30, 2, 2, 16, True, 0, 40), id="empty"),
+    pytest.param((1, 33, 50, 3, 1, 24, True, 0, 20), id="masked-rows-mqa"),
+    pytest.param((1, 48, 48, 2, 2, 56, True, 0, 1), id="stripe-d56"),
+    pytest.param((1, 40, 50, 2, 1, 24, True, 50, 0), id="off-diagonal-full"),
+    pytest.param((1, 20, 30, 2, 2, 24, True, 0, 40), id="empty"),
     pytest.param((2, 33, 50, 4, 2, 64, False, 0, 0), id="not-causal-gqa"),
 ]
 
@@ -444,7 +444,7 @@ def test_fa4_op_call_pattern(fake_fa4):
     causal pieces are FA4's causal, everything unbounded is None, the scale is always passed."""
     run = _block(FA4_BLOCK_OP, True, 32, 0, scale=0.2)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = _qkv(1, 64, 64, 2, 2, 40, torch.float16, "cpu", gen)
+    q, k, v = _qkv(1, 64, 64, 2, 2, 56, torch.float16, "cpu", gen)
     out, lse = run(q, k, v)
     assert fake_fa4.calls["fwd"] == 2  # causal piece + the rows that see every key
     assert fake_fa4.calls["masks"] == [("fwd", 32, 64, True, None, None), ("fwd", 32, 64, False, None, None)]
@@ -459,7 +459,7 @@ def test_fa4_op_call_pattern(fake_fa4):
 
 def test_fa4_op_accumulators(fake_fa4):
     """forward with out_acc/lse_acc views into larger buffers merges the block into the state."""
-    b, sq, sk, h, hkv, d, q_start, k_start = 2, 97, 65, 4, 2, 80, 40, 30
+    b, sq, sk, h, hkv, d, q_start, k_start = 2, 97, 65, 4, 2, 88, 40, 30
     gen = torch.Generator().manual_seed(13)
     q, k, v = (x.detach() for x in _qkv(b, sq, sk, h, hkv, d, torch.float16, "cpu", gen))
     buf = torch.full((b, 2 * sq, h, d), float("nan"))
@@ -510,7 +510,7 @@ def test_fa4_op_refuses_windows_and_other_dtypes(fake_fa4):
 def test_fa4_op_without_fa4_is_a_clear_error(monkeypatch):
     _install(monkeypatch, None)
     try:
-        q = torch.randn(1, 8, 2, 16, dtype=torch.float16)
+        q = torch.randn(1, 8, 2, 24, dtype=torch.float16)
         with pytest.raises(RuntimeError, match="the fa4 backend needs FlashAttention-4: .*does not import"):
             FA4_BLOCK_OP.forward(q, q, q, softmax_scale=0.25, causal=False, q_start=0, k_start=0)
     finally:
@@ -537,7 +537,7 @@ def ring_worker(rank, world, cases):
     sys.modules.update({"flash_attn": pkg, "flash_attn.cute": cute, "flash_attn.cute.interface": cute.interface})
     report = []
     for case in cases:
-        q, k, v, dout, dlse = random_inputs(1, case["s"], 4, case["hkv"], 16, torch.float16, case["seed"], "cpu")
+        q, k, v, dout, dlse = random_inputs(1, case["s"], 4, case["hkv"], 24, torch.float16, case["seed"], "cpu")
         dlse = dlse if case["lse_grad"] else None
         ours = ring_with_grads(q, k, v, dout, dlse, causal=case["causal"], layout=case["layout"],
                                backend=FA4_BLOCK_OP, return_lse=case["lse_grad"])
@@ -720,7 +720,7 @@ GPU_CASES = [
     pytest.param((1, 1025, 640, 8, 2, 128, True, 700, 300), id="offset-gqa"),
     pytest.param((1, 1000, 300, 4, 1, 64, True, 100, 0), id="more-queries-than-keys-mqa"),
     pytest.param((2, 97, 200, 4, 1, 64, True, 100, 150), id="masked-rows-mqa"),
-    pytest.param((1, 512, 512, 4, 4, 40, True, 0, 1), id="stripe-d40"),
+    pytest.param((1, 512, 512, 4, 4, 56, True, 0, 1), id="stripe-d56"),
     pytest.param((1, 512, 640, 8, 2, 128, True, 640, 0), id="off-diagonal-full"),
     pytest.param((1, 640, 1025, 8, 2, 64, False, 0, 0), id="not-causal-gqa-d64"),
 ]
@@ -796,9 +796,11 @@ def test_fa4_gpu_mask_args_match_the_rule(q_start, causal, window):
 
 
 
-def test_fa4_refuses_head_dims_that_are_not_multiples_of_8(fake_fa4):
-    """Zero-padding them gave a wrong dq with the real FA4 on H100 (head dim 36): refused instead."""
+@pytest.mark.parametrize("head_dim", [36, 40, 80, 112], ids=lambda d: f"d{d}")
+def test_fa4_refuses_head_dims_whose_backward_is_unchecked_or_wrong(fake_fa4, head_dim):
+    """FA4's backward gave a wrong dq on H200 for head dims 40 and 80 (and 36 zero-padded to 40 on H100);
+    unchecked ones (112) are refused too: a ValueError instead of a silent wrong gradient."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = _qkv(1, 16, 16, 2, 2, 36, torch.float16, "cpu", gen)
-    with pytest.raises(ValueError, match="multiples of 8, got 36"):
+    q, k, v = _qkv(1, 16, 16, 2, 2, head_dim, torch.float16, "cpu", gen)
+    with pytest.raises(ValueError, match=f"takes head dims .*got {head_dim}"):
         _block(FA4_BLOCK_OP, True, 0, 0)(q, k, v)

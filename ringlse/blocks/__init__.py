@@ -38,7 +38,11 @@ _BACKENDS: dict[str, tuple[str, str, tuple[torch.dtype, ...], bool]] = {
     "fa2": ("ringlse.blocks.flash", "FA2_BLOCK_OP", _HALF, False),
     "torch": ("ringlse.blocks.torch_math", "TORCH_BLOCK_OP", (*_HALF, torch.float32, torch.float64), True),
 }
-# what `auto` takes on CUDA, first that can run the call
+# what `auto` takes on CUDA, first that can run the call: fastest first where measured (fp16/bf16 on
+# sm90, H100 and H200 alike: FA4 611-655 / 552-625 TFLOP/s forward / backward, cuDNN through sdpa
+# 563-616 / 526-548, ours 480-492 / 362-392, hd 128; the cuDNN ring 0.75x PyTorch CP's time where the
+# triton ring took 1.03x: benchmarks/results/fa4-*.json, block_attention-NVIDIA_H200.json, ring-4xH200.json)
+_AUTO_MEASURED = {(9, 0): ("fa4", "sdpa", "triton", "torch")}
 _AUTO_CUDA = ("triton", "sdpa", "torch")
 # what `flash` stands for, best first
 _FLASH_ORDER = ("fa4", "fa2")
@@ -78,12 +82,32 @@ def _has_module(name: str) -> bool:
         return False
 
 
+def auto_candidates(capability: tuple[int, int] | None, dtype: torch.dtype | None, masked: bool = False
+                    ) -> tuple[str, ...]:
+    """The backends `auto` tries, in order, on a CUDA GPU of `capability` (None: not CUDA) for
+    inputs of `dtype`: the measured order on GPUs we measured (fp16/bf16 on sm90: `fa4`, `sdpa`,
+    `triton`), else `triton`, `sdpa`; `torch` last. Windows and documents (`masked`) need intervals,
+    which only `triton` and `torch` take (the first that can run the call wins)."""
+    if capability is None:
+        return ("torch",)
+    order = _AUTO_CUDA
+    if dtype in _HALF:
+        order = _AUTO_MEASURED.get(tuple(capability[:1]) + (0,), _AUTO_CUDA)
+    return tuple(n for n in order if not masked or _BACKENDS[n][3])
+
+
 def backend_unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype | None = None,
-                               masked: bool = False) -> str | None:
-    """Why backend `name` cannot run on `device` (with inputs of `dtype`, if given; with windows or
-    documents as intervals if `masked`), or None."""
+                               masked: bool = False, head_dim: int | None = None) -> str | None:
+    """Why backend `name` cannot run on `device` (with inputs of `dtype` and `head_dim`, if given;
+    with windows or documents as intervals if `masked`), or None."""
     if name not in _BACKENDS:
         return f"unknown backend {name!r}"
+    if name == "fa4" and head_dim is not None:
+        refused = importlib.import_module("ringlse.blocks.fa4").head_dim_refused(head_dim)
+        if refused is not None:
+            return refused
+    if name == "fa2" and head_dim is not None and head_dim > 256:
+        return f"fa2 takes head dims up to 256, got {head_dim}"
     device = torch.device(device)
     if masked and not _BACKENDS[name][3]:
         takers = [n for n, entry in _BACKENDS.items() if entry[3]]
@@ -101,7 +125,7 @@ def backend_unavailable_reason(name: str, device: torch.device | str, dtype: tor
     if device.type != "cuda":
         return f"{name} needs a CUDA device"
     if name == "flash":
-        reasons = [(n, backend_unavailable_reason(n, device, dtype, masked)) for n in _FLASH_ORDER]
+        reasons = [(n, backend_unavailable_reason(n, device, dtype, masked, head_dim)) for n in _FLASH_ORDER]
         if any(r is None for _, r in reasons):
             return None
         return "no FlashAttention can run here: " + "; ".join(f"{n}: {r}" for n, r in reasons)
@@ -118,20 +142,22 @@ def backend_unavailable_reason(name: str, device: torch.device | str, dtype: tor
     return None
 
 
-def available_backends(device: torch.device | str, dtype: torch.dtype | None = None, masked: bool = False) -> list[str]:
-    """Names of the backends that can run on `device` (for inputs of `dtype`, if given; taking
-    windows and documents, if `masked`)."""
-    return [n for n in _BACKENDS if backend_unavailable_reason(n, device, dtype, masked) is None]
+def available_backends(device: torch.device | str, dtype: torch.dtype | None = None, masked: bool = False,
+                       head_dim: int | None = None) -> list[str]:
+    """Names of the backends that can run on `device` (for inputs of `dtype` and `head_dim`, if
+    given; taking windows and documents, if `masked`)."""
+    return [n for n in _BACKENDS if backend_unavailable_reason(n, device, dtype, masked, head_dim) is None]
 
 
 def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torch.dtype | None = None,
-                 masked: bool = False) -> BlockOp:
-    """The block op for `backend` on `device` and inputs of `dtype`. `auto` is the first of `triton`,
-    `sdpa`, `torch` that can run the call on CUDA (float64: `torch`; `masked`: one that takes
-    windows and documents as intervals), and `torch` elsewhere. `flash` is `fa4`'s op where
-    FlashAttention-4 imports and the GPU is sm90 or newer, else `fa2`'s. A
-    `BlockOp` is returned as it is (your own kernels, or a registry op on a device it is not offered
-    for, such as `sdpa`'s CPU kernels in tests).
+                 masked: bool = False, head_dim: int | None = None) -> BlockOp:
+    """The block op for `backend` on `device` and inputs of `dtype` and `head_dim`. `auto` is the
+    first of `auto_candidates` that can run the call: on an sm90 GPU (H100, H200) with fp16/bf16,
+    `fa4` where FlashAttention-4 is installed, else `sdpa` (cuDNN), else `triton`; on other GPUs
+    `triton`, then `sdpa`; with `masked` (windows, documents as intervals) `triton`; `torch` on the
+    CPU and for float64. `flash` is `fa4`'s op where FlashAttention-4 imports and the GPU is sm90 or
+    newer, else `fa2`'s. A `BlockOp` is returned as it is (your own kernels, or a registry op on a
+    device it is not offered for, such as `sdpa`'s CPU kernels in tests).
 
     Raises:
         ValueError: unknown or unavailable backend, or one that does not compute `dtype`; the
@@ -144,21 +170,24 @@ def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torc
         raise TypeError(f"backend must be a name or a BlockOp, got {type(backend).__name__}")
     device = torch.device(device)
     if backend == "auto":
-        candidates = _AUTO_CUDA if device.type == "cuda" else ("torch",)
-        name = next((n for n in candidates if backend_unavailable_reason(n, device, dtype, masked) is None), "torch")
+        cap = _capability(device) if device.type == "cuda" else None
+        candidates = auto_candidates(None if isinstance(cap, str) else cap, dtype, masked)
+        name = next((n for n in candidates if backend_unavailable_reason(n, device, dtype, masked, head_dim) is None),
+                    "torch")
     else:
         name = backend
-    reason = backend_unavailable_reason(name, device, dtype, masked)
+    reason = backend_unavailable_reason(name, device, dtype, masked, head_dim)
     if reason is not None:
         raise ValueError(
             f"backend {backend!r} is not available on {device.type}"
             + (f" for {dtype}" if dtype is not None else "")
-            + f": {reason}; available here: {available_backends(device, dtype, masked)} (or 'auto')"
+            + f": {reason}; available here: {available_backends(device, dtype, masked, head_dim)} (or 'auto')"
         )
     if name == "flash":  # the best FlashAttention that can run
-        name = next(n for n in _FLASH_ORDER if backend_unavailable_reason(n, device, dtype, masked) is None)
+        name = next(n for n in _FLASH_ORDER
+                    if backend_unavailable_reason(n, device, dtype, masked, head_dim) is None)
     module, attr, _, _ = _BACKENDS[name]
     return getattr(importlib.import_module(module), attr)
 
 
-__all__ = ["BlockOp", "available_backends", "backend_unavailable_reason", "get_block_op"]
+__all__ = ["BlockOp", "auto_candidates", "available_backends", "backend_unavailable_reason", "get_block_op"]

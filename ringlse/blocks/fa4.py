@@ -26,8 +26,8 @@ What this module adds, on the shared driver of `ringlse.blocks.fused`:
   `split_causal_block_bottom_right`;
 - the lse in ringlse's convention (`norm_lse`: `[b, h, sq]` float32, `-inf` on empty rows);
 - a backward that passes the lse gradient to FA4 as `dlse` (`bottom_right_block_op`);
-- head dims that are not a multiple of 8 refused: zero-padded to one, FA4's backward gave a wrong dq on
-  H100 (head dim 36 padded to 40, 4.0.0b36; `benchmarks/NOTES.md`).
+- head dims refused unless checked: FA4's sm90 backward gives a wrong dq for head dims 8, 16, 40, 48,
+  72, 80, 104 (mod 32 in {8, 16}; H200 and H100, 4.0.0b36; `VERIFIED_HEAD_DIMS`, `benchmarks/NOTES.md`).
 
 Windows and documents: the op keeps `takes_intervals=False`. A block's rule arrives as per-row
 intervals (`ringlse.masks.Intervals`, tensors), and reading a band back out of them would cost a
@@ -112,12 +112,28 @@ def _interface():
     return iface
 
 
+# Head dims whose FA4 backward we checked against a float64 reference on sm90 (H200, 4.0.0b36, bf16, causal
+# and not; benchmarks/fa4_head_dims.py): dq is right for these and wrong (relative error 0.3-1.3) for
+# 8, 16, 40, 48, 72, 80, 104 (head dim mod 32 in {8, 16}); the forward, dk and dv were right for all.
+# Head dims not checked (112, 120, 136 and up) are refused too: a wrong gradient is a silent wrong answer.
+VERIFIED_HEAD_DIMS = (24, 32, 56, 64, 88, 96, 128)
+
+
+def head_dim_refused(head_dim: int) -> str | None:
+    """Why the fa4 backend refuses `head_dim`, or None."""
+    if head_dim in VERIFIED_HEAD_DIMS:
+        return None
+    return (f"the fa4 backend (FlashAttention-4 {WRITTEN_FOR}) takes head dims {list(VERIFIED_HEAD_DIMS)}, got "
+            f"{head_dim}: FA4's backward gave a wrong dq for head dims 8, 16, 40, 48, 72, 80, 104 on H200, and "
+            f"other dims are unchecked (the triton, sdpa and torch backends take it)")
+
+
 def _check_dtype(q: torch.Tensor) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"the fa4 backend (FlashAttention-4) supports fp16/bf16 only, got {q.dtype}")
-    if q.shape[-1] % 8:
-        raise ValueError(f"the fa4 backend (FlashAttention-4) takes head dims that are multiples of 8, got "
-                         f"{q.shape[-1]} (the triton, sdpa and torch backends take it)")
+    why = head_dim_refused(q.shape[-1])
+    if why is not None:
+        raise ValueError(why)
 
 
 def _fa4_forward(q, k, v, causal, scale):
@@ -227,5 +243,5 @@ FA4_KERNELS = KernelSet(forward=_fa4_forward, backward=_fa4_backward, native_gqa
 
 FA4_BLOCK_OP = bottom_right_block_op("fa4", _fa4_forward, _fa4_backward)
 
-__all__ = ["FA4_BLOCK_OP", "FA4_KERNELS", "bottom_right_block_op", "fa4_mask_args", "interface_missing",
-           "split_causal_block_bottom_right"]
+__all__ = ["FA4_BLOCK_OP", "FA4_KERNELS", "VERIFIED_HEAD_DIMS", "bottom_right_block_op", "fa4_mask_args",
+           "head_dim_refused", "interface_missing", "split_causal_block_bottom_right"]

@@ -146,25 +146,30 @@ class RingComm:
             dist.P2POp(dist.isend, send, self.next, self.group, tag),
             dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
         ]
-        if ready is None or send.device.type != "cuda":
-            works = dist.batch_isend_irecv(ops)
-        else:
-            stream = self._side_stream()
-            stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                works = dist.batch_isend_irecv(ops)
-        return self._pending(works, [(self.rank + 1) % self.world, (self.rank - 1) % self.world], step)
+        return self._pending(self._post(ops, ready), [(self.rank + 1) % self.world, (self.rank - 1) % self.world],
+                             step)
 
     def send_recv(self, sends: Sequence[torch.Tensor], dst: int, recvs: Sequence[torch.Tensor], src: int,
-                  tag: int = 0, step: int = 0) -> list[Pending]:
+                  tag: int = 0, step: int = 0, ready: torch.cuda.Event | None = None) -> list[Pending]:
         """Post `sends` -> group rank `dst` and `recvs` <- group rank `src` (in order, as one batch) for
         ring step `step`; returns the transfers to `wait` on. Every pair of ranks must post matching
-        batches in the same order (NCCL matches point-to-point messages by order, not by tag)."""
+        batches in the same order (NCCL matches point-to-point messages by order, not by tag).
+        `ready`: as in `exchange`, an event the batch waits for instead of the whole current stream."""
         ops = [dist.P2POp(dist.isend, t, self.global_ranks[dst], self.group, tag) for t in sends]
         ops += [dist.P2POp(dist.irecv, t, self.global_ranks[src], self.group, tag) for t in recvs]
         if not ops:
             return []
-        return self._pending(dist.batch_isend_irecv(ops), [dst] * len(sends) + [src] * len(recvs), step)
+        return self._pending(self._post(ops, ready), [dst] * len(sends) + [src] * len(recvs), step)
+
+    def _post(self, ops: list[dist.P2POp], ready: torch.cuda.Event | None) -> list:
+        """Post a batch: on the current stream, or with `ready` (CUDA tensors) from the side stream once
+        `ready` has happened, so that it can overlap kernels queued earlier on the current stream."""
+        if ready is None or ops[0].tensor.device.type != "cuda":
+            return dist.batch_isend_irecv(ops)
+        stream = self._side_stream()
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            return dist.batch_isend_irecv(ops)
 
     @staticmethod
     def _pending(works: list, peers: list[int], step: int) -> list[Pending]:
@@ -259,6 +264,14 @@ class RingComm:
     def _host_group(self) -> dist.ProcessGroup | None:
         """The gloo group the host-side agreement runs over."""
         return self.group if self._gloo_twin is None else self._gloo_twin
+
+
+def record_event() -> torch.cuda.Event:
+    """An event recorded now on the current stream: what a transfer posted from the side stream waits
+    for instead of everything queued."""
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
 
 
 def _at_least_1ms(seconds: float) -> datetime.timedelta:

@@ -9,7 +9,8 @@ owner, which sums them once at the end (CONVENTIONS.md §6 lets partial sums tra
 parts home costs the same transfers, needs no float32 accumulator per hop, and lets bf16 kernel
 outputs travel as they are). The rank's own block hides the first transfer (and, split in two by
 keys in the backward, the last one). The block op is a parameter, so the same loop runs on gloo/CPU
-and NCCL/GPU.
+and NCCL/GPU. How blocks move (`ringlse.ring.transport`): where a window or documents leave steps or
+rows unread by every rank, only the rows read go, straight from owner to reader (`kv_route`).
 
 Faults (README "Failure behaviour"): every wait is bounded (`timeout=`, else the group's) and a
 failed or late one raises `RuntimeError` naming the phase, the ring step and the peer it waited for
@@ -26,92 +27,21 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ringlse import library
 from ringlse.blocks import get_block_op
 from ringlse.blocks.contract import BlockCall, BlockOp, planned_attention
 from ringlse.checks import SUPPORTED_DTYPES, check_flag, check_qkv, check_scale, lse_dtype
 from ringlse.masks import Rule, check_docs, check_window
-from ringlse.merge import GradPart, PartSum, StateMerge, sum_parts
+from ringlse.merge import PartSum, StateMerge, sum_parts
 from ringlse.ring.agree import Agreement
 from ringlse.ring.comm import RingComm
-from ringlse.ring.plan import LAYOUTS, check_layout, default_layout, split_keys, step_plans
-from ringlse.ring.pull import PulledKV, use_copy_engines
-
-_KV_TAG, _DKV_TAG = 1, 2
-
-
-def _event() -> torch.cuda.Event:
-    ev = torch.cuda.Event()
-    ev.record()
-    return ev
+from ringlse.ring.plan import LAYOUTS, Route, check_layout, default_layout, kv_route, split_keys, step_plans
+from ringlse.ring.pull import use_copy_engines
+from ringlse.ring.transport import DKV_TAG, held_blocks, own_kv
 
 
-def _rows_read(plan: Sequence[BlockCall]) -> tuple[int, int]:
-    """The key rows `[k0, k1)` a step's calls read (empty when it has none)."""
-    return (min(c.k0 for c in plan), max(c.k1 for c in plan)) if plan else (0, 0)
-
-
-def _held_blocks(comm: RingComm, own: tuple[torch.Tensor, torch.Tensor], kv_own: torch.Tensor | None,
-                 bufs: list[torch.Tensor], ready, plans, pulled: PulledKV | None, phase: str,
-                 limit: datetime.timedelta | None):
-    """Yield `(s, kv)` for s = 0 .. W-1: the K/V of rank (rank - s) mod W once it has arrived
-    (`own`, this rank's `(k, v)`, for s = 0, `bufs[s % 3]` after); the caller queues its work on `kv`
-    before asking for the next block. `kv_own` is the packed K/V that NCCL sends (None when blocks
-    are pulled: `pulled` packs its own after `ready`). `ready` (a CUDA event, None on CPU) is recorded
-    after `kv_own` (if any) is written and `bufs` were allocated: transfers wait for it and the events
-    below only, so every earlier user of the buffers' memory must be queued before it. Each transfer
-    wait lasts at most `limit` (`RingComm.wait` raises, naming `phase`, the step and the peer).
-
-    Block 1's transfer is posted before step 0 is yielded. Block s+1's is posted before block s is
-    yielded, waiting only for the last reader of the buffer it fills (an event), not for everything
-    queued: with three buffers that reader is step s-2's work, long done, so the transfer starts
-    while step s-1 still runs, not when step s's kernels already hold every SM. On one host with
-    CUDA, blocks are pulled from their owners by copy engines (`ringlse.kv_pull`); otherwise NCCL
-    passes them from neighbour to neighbour.
-    """
-    if comm.world == 1:
-        yield 0, own
-        return
-    cuda = own[0].device.type == "cuda"
-    last_read = [ready] * 3
-    if pulled is not None:
-        pulled.publish()
-        pulled.pull(1, bufs[1], _rows_read(plans[1]), ready)
-    else:
-        works = comm.exchange(kv_own, bufs[1], _KV_TAG, ready=ready, step=1)
-    yield 0, own
-    for s in range(1, comm.world):
-        if pulled is not None:
-            pulled.wait(s)
-        else:
-            comm.wait(works, phase, limit)
-        kv = bufs[s % 3]
-        if s + 1 < comm.world:
-            nxt = (s + 1) % 3
-            if pulled is not None:
-                pulled.pull(s + 1, bufs[nxt], _rows_read(plans[s + 1]), last_read[nxt])
-            else:
-                works = comm.exchange(kv, bufs[nxt], _KV_TAG, ready=last_read[nxt], step=s + 1)
-        yield s, kv
-        if cuda:
-            last_read[s % 3] = _event()
-
-
-def _own_kv(comm: RingComm, k: torch.Tensor, v: torch.Tensor, pull: bool):
-    """`(kv_own, bufs, ready, pulled)` for a ring pass over W > 1 ranks: the packed K/V that NCCL
-    sends (None when blocks are pulled), the receive buffers (`bufs[s % 3]` gets block s), the event
-    transfers wait for, and the `PulledKV` (or None). With pulls, K/V are packed on the pull stream,
-    so the compute stream goes straight to its own block (which reads `k` and `v` in place)."""
-    new = lambda: torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
-    kv_own = None if pull else torch.stack([k, v])
-    # bufs[0] is used from W = 4 on (block 3); NCCL receives it into the packed own block, whose
-    # only reader, the send of step 0, is queued before that receive on the same NCCL stream
-    bufs = [(new() if pull else kv_own) if comm.world >= 4 else None, new(), new() if comm.world >= 3 else None]
-    ready = _event() if k.is_cuda else None
-    return kv_own, bufs, ready, PulledKV(comm, k, v, ready) if pull else None
-
-
-def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, check: Agreement,
-                  pull: bool, limit: datetime.timedelta | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, peer_plans, route: Route,
+                  check: Agreement, pull: bool, limit: datetime.timedelta | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out, lse)`: out in q's dtype when the op returns its states as parts (merged once at the
     end), else the float32 accumulator the op merged into.
 
@@ -126,7 +56,7 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, che
     if states is None:
         out = torch.zeros((b, n, h, d), dtype=acc, device=q.device)
         lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
-    kv_own, bufs, ready, pulled = _own_kv(comm, k, v, pull) if comm.world > 1 else (None, [], None, None)
+    kv_own, bufs, ready, pulled = own_kv(comm, k, v, pull, plans, route) if comm.world > 1 else (None, [], None, None)
 
     def attend(plan, kv):
         for c in plan:
@@ -146,10 +76,11 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, che
         check()  # every rank raises here on bad or mismatched inputs, before any K/V moves
     except BaseException:  # ValueError: the ranks agreed to stop; RuntimeError: a rank did not answer
         if pulled is not None:
-            pulled.abandon()
+            pulled.finish()
         raise
     with comm.guard("forward"):
-        for s, held in _held_blocks(comm, (k, v), kv_own, bufs, ready, plans, pulled, "forward", limit):
+        for s, held in held_blocks(comm, (k, v), kv_own, bufs, ready, plans, peer_plans, route, pulled,
+                                    "forward", limit):
             if s > 0 or not own_first:
                 attend(plans[s], held)
     return states.result(q.dtype) if states is not None else (out, lse)
@@ -168,13 +99,14 @@ def _message_dtype(op: BlockOp, call: BlockCall, q: torch.Tensor, k: torch.Tenso
 
 
 def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: float, comm: RingComm, plans,
-                   peer_plans, with_lse: bool, pull: bool, limit: datetime.timedelta | None
+                   peer_plans, route: Route, with_lse: bool, pull: bool, limit: datetime.timedelta | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of this rank's shards, in the input dtype.
 
     Each rank attends its queries to every K/V block as the blocks come round the ring (as in the
-    forward) and sends the dk/dv it computed for block j straight to rank j, which sums what the W
-    ranks sent in one pass at the end (`PartSum`). Ops that return their gradients as tensors
+    forward) and sends the dk/dv it computed for block j straight to rank j, which adds each message
+    into its float32 dk/dv once the step after it was posted (in step order; so at most two steps'
+    messages are alive, whatever W). Ops that return their gradients as tensors
     (`backward_parts`: cuDNN, flash-attn) send those as they are, so no float32 accumulator is ever
     read and rewritten per block; ops that accumulate in-kernel add into float32 buffers that are sent
     instead. Rank j's own block is computed in two halves of its keys (`_split_keys`): the first while
@@ -229,48 +161,63 @@ def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale:
     # the diagonal square (second half of keys) hides the first transfer, the block's first half of
     # keys (three times the work) the gradients' last transfers home
     own_last, own_first = split_keys(plans[0], n // 2)
-    kv_own, bufs, ready, pulled = _own_kv(comm, k, v, pull)
-    dkv_works: list = []
-    sent: list[list[torch.Tensor]] = []  # kept alive until their transfers are done
-    received: list[tuple[BlockCall, torch.Tensor, torch.Tensor]] = []
-    for s, kv in _held_blocks(comm, (k, v), kv_own, bufs, ready, plans, pulled, "backward", limit):
+    kv_own, bufs, ready, pulled = own_kv(comm, k, v, pull, plans, route)
+    # dk/dv messages, per step: (transfers, what was sent, what comes in, by call), oldest first. Step
+    # s's are waited for once step s+1's are posted: they had step s+1's block to arrive, and what is
+    # alive stays bounded whatever W (the messages of the step in flight, both ways, and those of the
+    # step being computed), not every step's until the end; what came in goes into float32 dk/dv.
+    in_flight: list[tuple[list, list[torch.Tensor], list[tuple[BlockCall, torch.Tensor, torch.Tensor]]]] = []
+
+    def settle_oldest() -> None:
+        works, _, received = in_flight.pop(0)  # the sent tensors go with it
+        comm.wait(works, "backward", limit)
+        for c, dk_part, dv_part in received:  # in step order: the same sums on every run
+            dk.accumulator()[:, c.k0:c.k1] += dk_part
+            dv.accumulator()[:, c.k0:c.k1] += dv_part
+
+    def incoming(c: BlockCall) -> list[torch.Tensor]:
+        """Buffers for the dk, dv that the peer's call `c` on our K/V sends home."""
+        dtype = _message_dtype(op, c, q, k, with_lse)
+        return [torch.empty((b, c.k1 - c.k0, hkv, d), dtype=dtype, device=q.device) for _ in range(2)]
+
+    for s, kv in held_blocks(comm, (k, v), kv_own, bufs, ready, plans, peer_plans, route, pulled, "backward",
+                              limit):
         if s == 0:
             attend_own(own_first)
             continue
-        sent.append(attend_remote(plans[s], kv))
+        sent = attend_remote(plans[s], kv)
         # rank (rank + s) mod W attends to our K/V at its step s: its calls say what comes back
-        recvs = []
-        for c in peer_plans[s]:
-            dtype = _message_dtype(op, c, q, k, with_lse)
-            incoming = [torch.empty((b, c.k1 - c.k0, hkv, d), dtype=dtype, device=q.device) for _ in range(2)]
-            received.append((c, *incoming))
-            recvs += incoming
-        dkv_works += comm.send_recv(sent[-1], (comm.rank - s) % comm.world, recvs, (comm.rank + s) % comm.world,
-                                    _DKV_TAG, step=s)
+        received = [(c, *incoming(c)) for c in peer_plans[s]]
+        recvs = [t for _, dk_part, dv_part in received for t in (dk_part, dv_part)]
+        works = comm.send_recv(sent, (comm.rank - s) % comm.world, recvs, (comm.rank + s) % comm.world,
+                               DKV_TAG, step=s)
+        in_flight.append((works, sent, received))
+        del works, sent, received, recvs  # in_flight holds them until settle_oldest frees them
+        if len(in_flight) > 1:
+            settle_oldest()
     attend_own(own_last)
-    comm.wait(dkv_works, "backward", limit)
-    for c, dk_part, dv_part in received:
-        dk.add(GradPart(0, dk_part), c.k0)
-        dv.add(GradPart(0, dv_part), c.k0)
+    while in_flight:
+        settle_oldest()
     return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
 
 
 class _RingPlan:
     """One ring call: forward and backward over the blocks as they come round (`AttentionPlan`)."""
 
-    def __init__(self, op: BlockOp, scale: float, comm: RingComm, plans, peer_plans, with_lse: bool, pull: bool,
-                 check: Agreement, limit: datetime.timedelta | None):
+    def __init__(self, op: BlockOp, scale: float, comm: RingComm, plans, peer_plans, route: Route, with_lse: bool,
+                 pull: bool, check: Agreement, limit: datetime.timedelta | None):
         self.op, self.scale, self.comm, self.plans, self.peer_plans = op, scale, comm, plans, peer_plans
-        self.with_lse, self.pull, self.check, self.limit = with_lse, pull, check, limit
+        self.route, self.with_lse, self.pull, self.check, self.limit = route, with_lse, pull, check, limit
 
     def forward(self, q, k, v):
-        return _ring_forward(q, k, v, self.op, self.scale, self.comm, self.plans, self.check, self.pull, self.limit)
+        return _ring_forward(q, k, v, self.op, self.scale, self.comm, self.plans, self.peer_plans, self.route,
+                             self.check, self.pull, self.limit)
 
     def backward(self, dout, q, k, v, out, lse, delta, lse_grad):
         self.comm.check_usable()  # another call on the group may have failed since the forward
         with self.comm.guard("backward"):
             return _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, self.op, self.scale, self.comm,
-                                  self.plans, self.peer_plans, self.with_lse, self.pull, self.limit)
+                                  self.plans, self.peer_plans, self.route, self.with_lse, self.pull, self.limit)
 
 
 _LAYOUT_CODES = {name: i for i, name in enumerate(LAYOUTS)}
@@ -396,6 +343,11 @@ def ring_attention(
             the phase, the ring step and the peer it waited for; and at once on a group where an
             earlier ring call failed (README "Failure behaviour").
     """
+    if isinstance(backend, str) and torch.compiler.is_compiling():  # one `ringlse::ring` op (`ringlse.library`)
+        out, lse = library.ring_op(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group,
+                                   layout=default_layout(causal is True) if layout is None else layout,
+                                   window_size=window_size, cu_seqlens=cu_seqlens, backend=backend, timeout=timeout)
+        return (out, lse) if return_lse else out
     ring = ring_plan(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group, layout=layout,
                      return_lse=return_lse, window_size=window_size, cu_seqlens=cu_seqlens, backend=backend,
                      timeout=timeout)
@@ -427,7 +379,7 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
     if error is None:
         try:
             scale = check_scale(softmax_scale, q.shape[-1], "ring_attention")
-            op = get_block_op(backend, q.device, q.dtype, masked=not rule.plain)
+            op = get_block_op(backend, q.device, q.dtype, masked=not rule.plain, head_dim=q.shape[-1])
             if not rule.plain and not op.takes_intervals:
                 raise ValueError(f"ring_attention: windows and documents need a backend that takes intervals; "
                                  f"the {op.name!r} block op does not")
@@ -446,4 +398,5 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
             raise ValueError(error)
         check = Agreement(lambda: True, lambda: None)
     plans, peer_plans = step_plans(layout, comm.rank, comm.world, q.shape[1], rule)
-    return _RingPlan(op, scale, comm, plans, peer_plans, return_lse, pull, check, comm.transfer_limit(limit))
+    route = kv_route(layout, comm.world, q.shape[1], rule)
+    return _RingPlan(op, scale, comm, plans, peer_plans, route, return_lse, pull, check, comm.transfer_limit(limit))

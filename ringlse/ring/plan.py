@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ringlse.blocks.contract import BlockCall
-from ringlse.masks import BlockKind, Rule, Span, block_intervals, block_kind
+from ringlse.masks import BlockKind, Intervals, Rule, Span, block_intervals, block_kind
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 
@@ -65,21 +65,54 @@ def local_positions(layout: str, rank: int, world: int, n_local: int) -> torch.T
     ])
 
 
-def plan_step_masked(layout: str, rank: int, src: int, world: int, n_local: int, rule: Rule) -> list[BlockCall]:
-    """`plan_step` for a rule with windows or documents: one call per pair of position runs (query run
-    of `rank` x key run of `src`) that shows any pair, through intervals where it is not fully visible."""
-    calls = []
+def _span(seg: Segment) -> Span:
+    return Span(seg.global_start, seg.length, seg.stride)
+
+
+def _cut(seg: Segment, a: int, b: int) -> Segment:
+    """Rows `[a, b)` of a run (local to it)."""
+    return Segment(seg.local_start + a, b - a, seg.global_start + a * seg.stride, seg.stride)
+
+
+def _visible_parts(layout: str, rank: int, src: int, world: int, n_local: int, rule: Rule
+                   ) -> list[tuple[Segment, Segment]]:
+    """For each pair of position runs (query run of `rank` x key run of `src`) that shows any pair:
+    the query rows that see any of its keys and the key rows they see, first to last, as the two
+    runs cut to them. From the keys each query sees alone (the cheaper half of `block_intervals`)."""
+    parts = []
     for qs in segments(layout, rank, world, n_local):
         for ks in segments(layout, src, world, n_local):
-            iv = block_intervals(rule, Span(qs.global_start, qs.length, qs.stride),
-                                 Span(ks.global_start, ks.length, ks.stride))
-            kind = iv.kind()
-            if kind is BlockKind.EMPTY:
-                continue
-            calls.append(BlockCall(qs.local_start, qs.local_start + qs.length, ks.local_start,
-                                   ks.local_start + ks.length, False, 0, 0,
-                                   iv if kind is BlockKind.PARTIAL else None))
+            key_lo, key_hi = (_span(ks).local(x) for x in rule.key_bounds(_span(qs).positions()))
+            live = key_hi > key_lo
+            rows = live.nonzero()
+            if rows.numel():
+                parts.append((_cut(qs, int(rows[0]), int(rows[-1]) + 1),
+                              _cut(ks, int(key_lo[live].min()), int(key_hi[live].max()))))
+    return parts
+
+
+def _call(qs: Segment, ks: Segment, intervals: Intervals | None = None) -> BlockCall:
+    return BlockCall(qs.local_start, qs.local_start + qs.length, ks.local_start, ks.local_start + ks.length,
+                     False, 0, 0, intervals)
+
+
+def plan_step_masked(layout: str, rank: int, src: int, world: int, n_local: int, rule: Rule) -> list[BlockCall]:
+    """`plan_step` for a rule with windows or documents: one call per pair of position runs (query run
+    of `rank` x key run of `src`) that shows any pair, through intervals where it is not fully visible.
+
+    Each call is cut to the query rows that see any of its keys and the key rows any of them sees:
+    a window shorter than a run then reads (and the ring moves, `rows_read`) only the rows near the
+    boundary, and the kernel skips the rest without a launch over them."""
+    calls = []
+    for qs, ks in _visible_parts(layout, rank, src, world, n_local, rule):
+        iv = block_intervals(rule, _span(qs), _span(ks))
+        calls.append(_call(qs, ks, iv if iv.kind() is BlockKind.PARTIAL else None))
     return calls
+
+
+def rows_read(plan: Sequence[BlockCall]) -> tuple[int, int]:
+    """The key rows `[k0, k1)` a step's calls read (empty when it has none)."""
+    return (min(c.k0 for c in plan), max(c.k1 for c in plan)) if plan else (0, 0)
 
 
 def plan_step(layout: str, rank: int, src: int, world: int, n_local: int, causal: bool) -> list[BlockCall]:
@@ -193,6 +226,37 @@ def step_plans(layout: str, rank: int, world: int, n: int, rule: Rule) -> tuple[
     plans = tuple(tuple(step(rank, (rank - s) % world)) for s in range(world))
     peer_plans = tuple(tuple(step((rank + s) % world, rank)) for s in range(world))
     return plans, peer_plans
+
+
+class Route(NamedTuple):
+    """How the K/V of one ring call travel (the same on every rank).
+
+    `steps`: the ring steps s >= 1 at which some rank reads K/V (step s: rank r reads rank (r - s) mod
+    W's); no K/V moves at the others. `direct`: each block goes straight from its owner to its
+    reader, only the rows that reader's calls read (`rows_read`), instead of whole blocks passed
+    from neighbour to neighbour."""
+
+    steps: tuple[int, ...]
+    direct: bool
+
+
+@functools.lru_cache(maxsize=64)
+def kv_route(layout: str, world: int, n: int, rule: Rule) -> Route:
+    """The `Route` of a ring of `world` ranks holding `n` tokens each in `layout` under `rule`,
+    from every rank's plans (each rank computes the same). Cached like `step_plans`.
+
+    A plain rule (causal or none) has rank W-1 read every step in full: neighbour passing, the
+    overlap design of `ringlse.ring.loop`. A window or documents may leave steps unread and rows
+    unseen; direct sends then move only what is read, but to peers r +- s, which across hosts
+    cross more links than neighbours do: taken where they skip a whole step or move at most half
+    the rows (otherwise every step is read, and neighbour passing runs them all)."""
+    if rule.plain or world == 1:
+        return Route(tuple(range(1, world)), False)
+    rows = [[rows_read([_call(*part) for part in _visible_parts(layout, r, (r - s) % world, world, n, rule)])
+             for s in range(1, world)] for r in range(world)]
+    steps = tuple(s for s in range(1, world) if any(read[s - 1][1] > read[s - 1][0] for read in rows))
+    moved = sum(k1 - k0 for read in rows for k0, k1 in read)
+    return Route(steps, len(steps) < world - 1 or 2 * moved <= world * (world - 1) * n)
 
 
 def split_keys(plan: Sequence[BlockCall], m: int) -> tuple[list[BlockCall], list[BlockCall]]:

@@ -106,7 +106,8 @@ class PulledKV:
         self.handle = None
         self.stream.wait_event(ready)
         # k and v are read on the side stream: the current stream waits for a pull queued after this
-        # (`wait`) before any later work of it can reuse their memory, or for everything (`abandon`)
+        # (`wait`) before any later work of it can reuse their memory, and for everything at the end
+        # (`finish`: a rank that reads nothing of the others pulls nothing)
         with torch.cuda.stream(self.stream):
             ws = self.workspaces.get(self.key)
             if ws is not None and ws[0].numel() >= 2 * self.nbytes:
@@ -154,15 +155,18 @@ class PulledKV:
             self.handle.barrier(channel=0)  # every rank's K/V is published
         ws[2] += 1
 
-    def abandon(self) -> None:
-        """The call ends without pulling (the ranks disagreed): the current stream waits for the
-        side stream, which may still be reading k and v."""
+    def finish(self) -> None:
+        """The call is done with its pulls (or makes none: the ranks disagreed, or this rank reads no
+        rows of the others): the current stream waits for the side stream, which may still be
+        reading k and v."""
         torch.cuda.current_stream().wait_stream(self.stream)
 
     def pull(self, s: int, dst: torch.Tensor, rows: tuple[int, int], after: torch.cuda.Event | None) -> None:
         """Copy rows `[k0, k1)` of rank (rank - s)'s K/V into `dst` (same shape), once `after` (the
         last reader of `dst`) has happened. Batches of more than one sequence pull whole blocks
-        (their row ranges are not contiguous)."""
+        (their row ranges are not contiguous). No rows (a step this rank reads nothing at): no pull."""
+        if rows[1] <= rows[0]:
+            return
         src = (self.comm.rank - s) % self.comm.world
         remote = self._view(src)
         k0, k1 = rows if self.shape[1] == 1 else (0, self.shape[2])
@@ -176,5 +180,7 @@ class PulledKV:
         self.arrived[s] = done
 
     def wait(self, s: int) -> None:
-        """Make the current stream wait for block s."""
-        torch.cuda.current_stream().wait_event(self.arrived.pop(s))
+        """Make the current stream wait for block s (if any rows of it were pulled)."""
+        done = self.arrived.pop(s, None)
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)

@@ -1,0 +1,46 @@
+"""Rank functions for tests/test_compile.py: `ring_attention` compiled with fullgraph on gloo ranks."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compiled_ring(rank: int, world: int) -> dict:
+    """Max abs differences compiled vs eager (out, lse, grads) of a ring over the world and over a
+    subgroup (found by name inside the op), and the number of graphs dynamo made."""
+    import torch._dynamo
+    import torch._dynamo.testing
+    import torch.distributed as dist
+
+    import ringlse
+
+    torch.manual_seed(rank)
+    sub = dist.new_group(list(range(world)))
+    q, k, v = (torch.randn(1, 2 * 7, 4, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    k2, v2 = k[:, :, :2].detach().requires_grad_(), v[:, :, :2].detach().requires_grad_()  # GQA 4/2
+    docs = [0, 5, 6, 2 * 7 * world]
+
+    def step(q, k, v, group):
+        out, lse = ringlse.ring_attention(q, k, v, causal=True, group=group, cu_seqlens=docs, window_size=(9, 0),
+                                          return_lse=True, backend="torch")
+        return out, lse
+
+    result = {}
+    for name, group, kk, vv in (("world", None, k, v), ("subgroup", sub, k2, v2)):
+        ref = step(q, kk, vv, group)
+        ref_grads = torch.autograd.grad(ref[0].square().sum() + ref[1].sum(), (q, kk, vv))
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        got = torch.compile(step, backend=counter, fullgraph=True)(q, kk, vv, group)
+        grads = torch.autograd.grad(got[0].square().sum() + got[1].sum(), (q, kk, vv))
+        result[name] = dict(
+            out=max((a - b).abs().max().item() for a, b in zip(got, ref)),
+            grads=max((a - b).abs().max().item() for a, b in zip(grads, ref_grads)),
+            frames=counter.frame_count)
+    # bad input under compile: the op raises the same ValueError on every rank at run time
+    bad = torch.randn(1, 2 * 7, 4, 16 if rank == 0 else 8, dtype=torch.float64)
+    try:
+        torch.compile(step, backend="aot_eager", fullgraph=True)(bad, bad, bad, None)
+        result["bad"] = "no error"
+    except ValueError as e:
+        result["bad"] = str(e)
+    return result
