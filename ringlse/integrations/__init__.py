@@ -1,0 +1,1 @@
+"""Integrations with model libraries (optional extras): `ringlse.integrations.transformers`."""

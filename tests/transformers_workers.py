@@ -1,0 +1,90 @@
+"""Rank functions for tests/test_transformers.py: a tiny Llama run as a ring on gloo ranks, compared with
+the same model run whole on every rank with transformers' own attention.
+
+The reference loss is written here from the definition (next-token cross-entropy, no target at a
+document's last token), not with `ring_loss`/`prepare_batch`, so they are checked too."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    """A 2-layer Llama with random weights (GQA 4/2), float64, no download."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0)
+    cfg.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**cfg)).double()
+
+
+def packed_inputs(seqlen: int, docs: list[int] | None, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(input_ids, position_ids)` `[1, seqlen]`: positions restart at 0 at every boundary of `docs`."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 97, (1, seqlen), generator=g)
+    bounds = docs or [0, seqlen]
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])[None]
+    return ids, pos
+
+
+def reference_loss(logits: torch.Tensor, ids: torch.Tensor, docs: list[int] | None) -> torch.Tensor:
+    """Mean next-token cross-entropy over the whole sequence, no target past a document's end."""
+    ends = set((docs or [0, ids.shape[1]])[1:])
+    keep = [t for t in range(ids.shape[1] - 1) if t + 1 not in ends]
+    return F.cross_entropy(logits[0, keep], ids[0, [t + 1 for t in keep]])
+
+
+def whole_model(model, ids, pos, docs, implementation: str):
+    """Logits and the mean loss's parameter gradients of the whole sequence on one process."""
+    model.config._attn_implementation = implementation
+    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    grads = torch.autograd.grad(reference_loss(logits, ids, docs), list(model.parameters()))
+    return logits.detach(), grads
+
+
+def llama_rings(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """`llama_ring` for each case (one spawn of the ranks for all)."""
+    return [llama_ring(rank, world, **case) for case in cases]
+
+
+def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] | None, compiled: bool) -> dict:
+    """Max abs differences, ring vs whole (transformers' sdpa: exact in float64; eager rounds its
+    softmax to float32), of logits and of parameter gradients summed over the ranks."""
+    import torch.distributed as dist
+    import torch._dynamo
+    import torch._dynamo.testing
+
+    import ringlse
+    from ringlse.integrations import transformers as rt
+
+    rt.register()
+    model = tiny_llama()
+    ids, pos = packed_inputs(seqlen, docs)
+    ref_logits, ref_grads = whole_model(model, ids, pos, docs, "sdpa")
+    eager_logits, _ = whole_model(model, ids, pos, docs, "eager")
+
+    model.config._attn_implementation = "ringlse"
+    batch = rt.prepare_batch(ids, position_ids=pos, layout=layout)
+    forward = model
+    frames = None
+    if compiled:
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        forward = torch.compile(model, backend=counter, fullgraph=True)
+    with rt.ring(layout=layout, cu_seqlens=batch.cu_seqlens):
+        logits = forward(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+    grads = torch.autograd.grad(rt.ring_loss(logits, batch), list(model.parameters()))
+    if compiled:
+        frames = counter.frame_count
+    for g in grads:
+        dist.all_reduce(g)
+    full = ringlse.unshard(logits.detach(), layout)
+    return {
+        "logits": (full - ref_logits).abs().max().item(),
+        "logits_vs_eager": (full - eager_logits).abs().max().item(),
+        "grads": max((g - r).abs().max().item() for g, r in zip(grads, ref_grads)),
+        "grad_scale": max(r.abs().max().item() for r in ref_grads),
+        "frames": frames,
+    }
