@@ -288,9 +288,48 @@ def headline_lse_toolkit(path: Path, d: dict) -> list[list[str]]:
     return rows
 
 
+def headline_fa4(path: Path, d: dict) -> list[list[str]]:
+    rows = d["rows"]
+    gpu = d.get("gpu", "?").replace("NVIDIA ", "")
+    whole = [r for r in rows if r["kind"] == "attention"]
+    blocks = [r for r in rows if r["kind"] != "attention"]
+    ratio = lambda rs, k: [r["time_ratio_to_bare_fa4"][k] for r in rs]
+    within = lambda xs, bar: f"{sum(x <= bar for x in xs)}/{len(xs)} rows ≤ {bar:.2f}×"
+    text = (f"`attention`: fwd {_range(ratio(whole, 'fwd'))} ({within(ratio(whole, 'fwd'), 1.05)}), "
+            f"fwd+bwd {_range(ratio(whole, 'fwd+bwd'))} ({within(ratio(whole, 'fwd+bwd'), 1.05)})")
+    if blocks:
+        text += (f"; off-diagonal blocks: fwd {_range(ratio(blocks, 'fwd'))}, fwd+bwd "
+                 f"{_range(ratio(blocks, 'fwd+bwd'))} ({within(ratio(blocks, 'fwd') + ratio(blocks, 'fwd+bwd'), 1.10)})")
+    text += f"; ours {_range([r['ours_fwd_tflops'] for r in whole], '.0f', '')} TFLOP/s fwd"
+    dims = "/".join(str(x) for x in sorted({r["head_dim"] for r in rows}))
+    seqs = f"{_k(min(r['S'] for r in rows))}–{_k(max(r['S'] for r in rows))}"
+    return [[f"`fa4` backend (FlashAttention-4) time / bare FA4's, one {gpu}, bf16, d {dims}, S {seqs}, causal "
+             f"and not, MHA and GQA 32/8", text, _src(path)]]
+
+
+def headline_memory(path: Path, d: dict) -> list[list[str]]:
+    recs = [r for r in d["records"] if r["kind"] == "fake-ring"]
+    if not recs:
+        return []
+    parts = []
+    for backend in dict.fromkeys(r["backend"] for r in recs):
+        per_w = []
+        for w in sorted({r["world"] for r in recs if r["backend"] == backend}):
+            rs = [r for r in recs if r["backend"] == backend and r["world"] == w]
+            worst = max(rs, key=lambda r: r["added_bytes"])
+            ok = "within" if all(r["within_bound"] for r in rs) else "**over**"
+            per_w.append(f"W = {w} +{worst['added_kv_blocks']:.1f} ({ok} the bound of "
+                         f"{worst['bound_bytes'] / worst['kv_block_bytes']:.1f})")
+        parts.append(f"`{backend}` " + ", ".join(per_w))
+    seqs = "/".join(_k(s) for s in sorted({r["tokens_per_rank"] for r in recs}))
+    return [[f"ring peak memory per rank above single-GPU `attention`, in K/V blocks (bound: 2 K/V blocks + float32 "
+             f"accumulators), fwd+bwd, {seqs} tokens per rank, one {d['gpu'].replace('NVIDIA ', '')} playing each rank "
+             f"of a fake W-rank group", "; ".join(parts), _src(path)]]
+
+
 HEADLINE = (("ring-", headline_ring), ("error_growth", headline_error_growth), ("merge", headline_merge),
             ("block_attention", headline_block_attention), ("masked_attention", headline_masked_attention),
-            ("lse_toolkit", headline_lse_toolkit))
+            ("lse_toolkit", headline_lse_toolkit), ("fa4-", headline_fa4), ("memory-", headline_memory))
 
 
 def headline(files: list[tuple[Path, dict]]) -> list[str]:

@@ -1,0 +1,244 @@
+"""Peak GPU memory of the ring per rank against single-GPU attention (issue 31), under torchrun:
+
+    torchrun --nproc_per_node=1 benchmarks/memory.py [--seqlens 8192 32768] [--backends triton sdpa]
+                                                     [--fake-worlds 2 4 8] [--out DIR]
+
+For every backend and S (tokens per rank; batch 1, 32 heads, head dim 128, bf16, causal) it measures
+`torch.cuda.max_memory_allocated` over one forward + backward (`out.backward(dout)`), above what was
+allocated before (the inputs, `dout`), after a warm-up call and `gc.collect()`:
+  - `ringlse.attention` on the S tokens (the single-GPU reference);
+  - `ring_attention` over the torchrun group (a group of one: no K/V moves, so this shows the ring's
+    float32 accumulators alone; with more ranks, every rank's peak, S tokens each);
+  - with one rank, `ring_attention` as rank r of a W-rank ring for every r and each W of
+    `--fake-worlds`: a fake process group (`torch.testing._internal.distributed.fake_pg`) whose
+    transfers complete at once and move nothing (received buffers hold garbage: the results mean
+    nothing, the allocations are a real rank's). On CPU, the same ranks counted with
+    tests/live_bytes.py match real gloo ranks to within 1 KiB (the agreement's few tensors, which
+    this skips: `ring_plan(agree=False)`). It shows the point-to-point K/V transport only, never the
+    copy-engine pulls that real ranks on one host use.
+Each row carries the bound of the issue: two K/V blocks (bf16) and the float32 accumulators (`out`,
+`lse`; `dq`, `dk`, `dv`), and what the ring added over the single-GPU peak. Writes
+`DIR/memory-<gpu>.json` (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import ringlse
+
+HEADS, HEAD_DIM, DTYPE = 32, 128, torch.bfloat16
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768], help="tokens per rank")
+    p.add_argument("--backends", nargs="+", default=["triton", "sdpa"], help="unavailable ones are skipped")
+    p.add_argument("--heads", type=int, default=HEADS)
+    p.add_argument("--kv-heads", type=int, default=HEADS)
+    p.add_argument("--head-dim", type=int, default=HEAD_DIM)
+    p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous", "stripe"])
+    p.add_argument("--fake-worlds", type=int, nargs="*", default=[2, 4, 8],
+                   help="ring sizes simulated with a fake process group (one rank only; none: skip)")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    return p.parse_args(argv)
+
+
+def bound_terms(b: int, n: int, h: int, hkv: int, d: int, itemsize: int) -> dict[str, int]:
+    """The issue's allowance in bytes: two K/V blocks as they travel (input dtype) and the ring's
+    float32 accumulators, forward (`out`, `lse`) and backward (`dq`, `dk`, `dv`)."""
+    kv_block = 2 * b * n * hkv * d * itemsize
+    forward_acc = 4 * (b * n * h * d + b * h * n)
+    backward_acc = 4 * (b * n * h * d + 2 * b * n * hkv * d)
+    return dict(kv_block_bytes=kv_block, forward_accumulator_bytes=forward_acc,
+                backward_accumulator_bytes=backward_acc, bound_bytes=2 * kv_block + forward_acc + backward_acc)
+
+
+def inputs(b: int, n: int, h: int, hkv: int, d: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = ((b, n, h, d), (b, n, hkv, d), (b, n, hkv, d), (b, n, h, d))
+    return [torch.randn(s, generator=gen, device="cuda", dtype=DTYPE) for s in shapes]
+
+
+def peaks(fn, q, k, v, dout) -> dict[str, int]:
+    """Peak bytes allocated above the start over the forward and over forward + backward of
+    `fn(q, k, v) -> out`, after one warm-up call (kernel compilation, the ring's plans and comm)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    fn(*leaves).backward(dout)
+    for t in leaves:
+        t.grad = None
+    gc.collect()  # a first call's lazy imports can leave frames (and their tensors) in reference cycles
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn(*leaves)
+    torch.cuda.synchronize()
+    forward = torch.cuda.max_memory_allocated() - base
+    out.backward(dout)
+    torch.cuda.synchronize()
+    total = torch.cuda.max_memory_allocated() - base
+    del out, leaves
+    return dict(forward_peak_bytes=forward, peak_bytes=total)
+
+
+def single_fn(backend: str):
+    return lambda q, k, v: ringlse.attention(q, k, v, causal=True, backend=backend)
+
+
+def ring_fn(backend: str, layout: str, fake: bool):
+    if not fake:
+        return lambda q, k, v: ringlse.ring_attention(q, k, v, causal=True, layout=layout, backend=backend)
+    from ringlse.blocks.contract import planned_attention
+    from ringlse.ring.loop import ring_plan
+
+    def run(q, k, v):  # no agreement: it needs a gloo twin of the group, which a fake group cannot make
+        plan = ring_plan(q, k, v, causal=True, softmax_scale=None, group=None, layout=layout, return_lse=False,
+                         window_size=(-1, -1), cu_seqlens=None, backend=backend, timeout=None, agree=False)
+        return planned_attention(q, k, v, plan)[0]
+    return run
+
+
+def measure(fn, shape: tuple[int, ...], seed: int) -> dict:
+    """`peaks` of `fn` on fresh inputs of `shape`, or the error (out of memory: the row says so)."""
+    try:
+        return peaks(fn, *inputs(*shape, seed=seed))
+    except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError) as e:
+        return dict(error=f"{type(e).__name__}: {e}"[:300])
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def row(kind: str, backend: str, world: int, rank: int | None, shape, single: dict, ring: dict) -> dict:
+    b, n, h, hkv, d = shape
+    rec = dict(kind=kind, backend=backend, world=world, rank=rank, batch=b, tokens_per_rank=n, heads=h,
+               kv_heads=hkv, head_dim=d, dtype=str(DTYPE).removeprefix("torch."), causal=True,
+               single=single, ring=ring, **bound_terms(b, n, h, hkv, d, torch.finfo(DTYPE).bits // 8))
+    if "peak_bytes" in single and "peak_bytes" in ring:
+        added = ring["peak_bytes"] - single["peak_bytes"]
+        rec.update(added_bytes=added, added_kv_blocks=round(added / rec["kv_block_bytes"], 3),
+                   forward_added_bytes=ring["forward_peak_bytes"] - single["forward_peak_bytes"],
+                   within_bound=added <= rec["bound_bytes"])
+    return rec
+
+
+def fake_rows(args, backend: str, shape, single: dict, seed: int) -> list[dict]:
+    """Every rank of every `--fake-worlds` ring, one after another, each in its own fake group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    rows = []
+    for world in args.fake_worlds:
+        for rank in range(world):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+            try:
+                ring = measure(ring_fn(backend, args.layout, fake=True), shape, seed)
+            finally:
+                dist.destroy_process_group()
+            rows.append(row("fake-ring", backend, world, rank, shape, single, ring))
+            report(rows[-1])
+    return rows
+
+
+def report(r: dict) -> None:
+    who = f"W={r['world']} rank {r['rank']}" if r["rank"] is not None else f"W={r['world']}"
+    ring = r["ring"].get("peak_bytes", r["ring"].get("error"))
+    extra = (f"+{r['added_bytes'] / 2**20:.1f} MiB = {r['added_kv_blocks']} K/V blocks, bound "
+             f"{r['bound_bytes'] / 2**20:.1f} MiB {'ok' if r['within_bound'] else 'EXCEEDED'}") if "added_bytes" in r else ""
+    print(f"{r['backend']:<7} n={r['tokens_per_rank']:<6} {r['kind']:<9} {who:<14} ring {ring} single "
+          f"{r['single'].get('peak_bytes', r['single'].get('error'))} {extra}", flush=True)
+
+
+def environment(world: int) -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "gpus": world,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "command": "torchrun --nproc_per_node={} {}".format(world, " ".join(sys.argv)),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+    }
+
+
+NOTE = ("peak_bytes: torch.cuda.max_memory_allocated over forward + backward minus memory_allocated before "
+        "(inputs and dout excluded), after a warm-up call and gc.collect(); the caching allocator rounds "
+        "each block up (512 B). kind 'ring' runs over the torchrun group: with one GPU W = 1, so no K/V "
+        "moves and no dk/dv message exists; it shows the float32 accumulators only. kind 'fake-ring' is "
+        "rank `rank` of a W-rank ring on a fake process group: transfers complete at once and move no "
+        "data, the allocations are a real rank's with the point-to-point K/V transport (real ranks on "
+        "one host pull K/V with copy engines instead, whose buffers may differ). added_bytes = ring "
+        "peak - single peak; bound_bytes = 2 K/V blocks + float32 accumulators (issue 31).")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/memory.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)  # plain `python benchmarks/memory.py`: a group of one
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    ringlse.tune_nccl_env()
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10), pg_options=ringlse.nccl_options())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", local_rank)
+    env = environment(world) if rank == 0 else {}
+    available = ringlse.available_backends(device, DTYPE)
+    backends = [be for be in args.backends if be in available]
+    skipped = {be: "not available here" for be in args.backends if be not in available}
+    records: list[dict] = []
+    for be in backends:
+        for s in args.seqlens:
+            shape = (1, s, args.heads, args.kv_heads, args.head_dim)
+            single = measure(single_fn(be), shape, seed=rank)
+            ring = measure(ring_fn(be, args.layout, fake=False), shape, seed=rank)
+            mine = torch.tensor([ring.get("peak_bytes", -1), ring.get("forward_peak_bytes", -1)], device=device)
+            every = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine)
+            if rank == 0:
+                for r, t in enumerate(every):
+                    got = dict(peak_bytes=int(t[0]), forward_peak_bytes=int(t[1])) if t[0] >= 0 else \
+                        (ring if r == 0 else dict(error="failed on that rank"))
+                    records.append(row("ring", be, world, r if world > 1 else None, shape, single, got))
+                    report(records[-1])
+    if world == 1 and args.fake_worlds:
+        dist.destroy_process_group()  # a fake group of W ranks replaces it (one default group at a time)
+        for be in backends:
+            for s in args.seqlens:
+                shape = (1, s, args.heads, args.kv_heads, args.head_dim)
+                single = measure(single_fn(be), shape, seed=0)
+                records += fake_rows(args, be, shape, single, seed=0)
+    elif dist.is_initialized():
+        dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    tag = env["gpu"].replace(" ", "_").replace("/", "_")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"memory-{tag}.json"
+    result = dict(benchmark="peak memory per rank: ring_attention vs attention (issue 31)", **env,
+                  layout=args.layout, skipped_backends=skipped, note=NOTE, records=records)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
