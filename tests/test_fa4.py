@@ -34,7 +34,7 @@ import ringlse
 import ringlse.blocks as registry
 from ringlse.blocks import fa4 as block_fa4
 from ringlse.blocks import flash as block_flash
-from ringlse.blocks.fa4 import FA4_BLOCK_OP, fa4_mask_args, split_causal_block_bottom_right
+from ringlse.blocks.fa4 import FA4_BLOCK_OP, Band, fa4_causal_pieces, fa4_mask_args, split_causal_block_bottom_right
 from ringlse.blocks.fused import fused_block_parts
 from ringlse.merge import merge_attn_states
 from ringlse.reference import reference_attention
@@ -287,6 +287,28 @@ def test_bottom_right_pieces_cover_the_causal_block_exactly_once(sq, sk):
         assert torch.equal(cover, want.long()), (sq, sk, q_start, k_start, pieces)
 
 
+@pytest.mark.parametrize("sq,sk", list(itertools.product(range(0, 7), range(0, 7))))
+def test_fa4_pieces_cover_the_causal_block_exactly_once(sq, sk):
+    """`fa4_causal_pieces`: one FA4 call with a right window bound wherever every row sees a key, the
+    bottom-right pieces elsewhere; either way every visible pair exactly once, no row that sees nothing."""
+    for q_start, k_start in itertools.product(range(0, 9), range(0, 9)):
+        want = _rule(sq, sk, q_start, k_start)
+        cover = torch.zeros(sq, sk, dtype=torch.int64)
+        pieces = fa4_causal_pieces(sq, sk, q_start, k_start)
+        for p in pieces:
+            nq, nk = p.q1 - p.q0, p.k1 - p.k0
+            if isinstance(p.causal, Band):
+                assert (p.q0, p.q1, p.k0, p.k1) == (0, sq, 0, sk) and p.causal.right > 0
+                vis = fa4_visible(nq, nk, False, None, p.causal.right)
+            else:
+                vis = fa4_visible(nq, nk, p.causal, None, None)
+            assert vis.any(1).all(), "a piece row that sees nothing"
+            cover[p.q0:p.q1, p.k0:p.k1] += vis.long()
+        assert torch.equal(cover, want.long()), (sq, sk, q_start, k_start, pieces)
+        if q_start > k_start and want.any(1).all() and not want.all():
+            assert len(pieces) == 1, (sq, sk, q_start, k_start, pieces)
+
+
 def test_bottom_right_pieces_of_the_common_blocks():
     P = block_fa4.Piece
     assert split_causal_block_bottom_right(8, 8, 0, 0) == [P(0, 8, 0, 8, True)]  # diagonal: one call
@@ -440,18 +462,18 @@ def test_fa4_op_with_stand_in(case, lse_grad, fake_fa4):
 
 
 def test_fa4_op_call_pattern(fake_fa4):
-    """One FA4 call per piece, forward and backward, the lse gradient passed as dlse (no extra passes);
-    causal pieces are FA4's causal, everything unbounded is None, the scale is always passed."""
+    """One FA4 call for a causal block whose diagonal sits right of FA4's (the ring's off-diagonal
+    partial block: FA4's right window bound), forward and backward, the lse gradient passed as dlse
+    (no extra passes); everything unbounded is None, the scale is always passed."""
     run = _block(FA4_BLOCK_OP, True, 32, 0, scale=0.2)
     gen = torch.Generator().manual_seed(0)
     q, k, v = _qkv(1, 64, 64, 2, 2, 56, torch.float16, "cpu", gen)
     out, lse = run(q, k, v)
-    assert fake_fa4.calls["fwd"] == 2  # causal piece + the rows that see every key
-    assert fake_fa4.calls["masks"] == [("fwd", 32, 64, True, None, None), ("fwd", 32, 64, False, None, None)]
+    assert fake_fa4.calls["masks"] == [("fwd", 64, 64, False, None, 32)]
     (out.float().sum() + lse.sum()).backward()
-    assert fake_fa4.calls["fwd"] == 2 and fake_fa4.calls["bwd"] == 2
-    assert [m[3] for m in fake_fa4.calls["masks"][2:]] == [True, False]
-    # a missing scale would have made the stand-in use its default 40 ** -0.5
+    assert fake_fa4.calls["fwd"] == 1 and fake_fa4.calls["bwd"] == 1
+    assert fake_fa4.calls["masks"][1:] == [("bwd", 64, 64, False, None, 32)]
+    # a missing scale would have made the stand-in use its default 56 ** -0.5
     ref_out, ref_lse = reference_attention(q.detach().double(), k.detach().double(), v.detach().double(), causal=True,
                                            softmax_scale=0.2, q_start=32, k_start=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)

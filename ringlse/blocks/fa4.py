@@ -21,8 +21,9 @@ flash-attn-4 4.0.0b36, by keyword:
   sm100); the backward asserts sm90 or newer.
 
 What this module adds, on the shared driver of `ringlse.blocks.fused`:
-- causal blocks at any global offsets (CONVENTIONS.md §4) as at most two pieces that use only FA4's
-  plain causal and non-causal kernels, with disjoint query rows (no merge between them):
+- causal blocks at any global offsets (CONVENTIONS.md §4): one call with FA4's right window bound where
+  every row sees a key (`fa4_causal_pieces`: the ring's off-diagonal partial blocks), else at most two
+  pieces of FA4's plain causal and non-causal kernels with disjoint query rows (no merge between them):
   `split_causal_block_bottom_right`;
 - the lse in ringlse's convention (`norm_lse`: `[b, h, sq]` float32, `-inf` on empty rows);
 - a backward that passes the lse gradient to FA4 as `dlse` (`bottom_right_block_op`);
@@ -42,7 +43,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import cache, partial
 
 import torch
@@ -136,13 +137,24 @@ def _check_dtype(q: torch.Tensor) -> None:
         raise ValueError(why)
 
 
+@dataclass(frozen=True)
+class Band:
+    """A piece's mask for FA4 beyond plain causal: key j visible to query i iff
+    `j <= i + (sk - sq) + right` (FA4's `window_size_right`, bottom-right aligned; no left bound)."""
+
+    right: int
+
+
+def _mask_kwargs(causal: bool | Band) -> dict:
+    if isinstance(causal, Band):
+        return dict(causal=False, window_size_left=None, window_size_right=causal.right)
+    return dict(causal=causal, window_size_left=None, window_size_right=None)
+
+
 def _fa4_forward(q, k, v, causal, scale):
-    """One FA4 forward call (causal: bottom-right) -> `(out, lse)` in ringlse's lse convention."""
+    """One FA4 forward call (causal: bottom-right, or a `Band`) -> `(out, lse)` in ringlse's lse convention."""
     _check_dtype(q)
-    res = _interface()._flash_attn_fwd(
-        q, k, v, softmax_scale=scale, causal=causal, window_size_left=None,
-        window_size_right=None, return_lse=True,
-    )
+    res = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, **_mask_kwargs(causal), return_lse=True)
     out, lse = res[0], res[1]
     return out, norm_lse(lse, q.shape[1])
 
@@ -151,11 +163,23 @@ def _fa4_backward(dout, q, k, v, out, lse, causal, scale, dlse=None):
     """One FA4 backward call with the global `out`/`lse` rows (and lse gradient `dlse`) -> `(dq, dk, dv)`."""
     _check_dtype(q)
     dq, dk, dv = _interface()._flash_attn_bwd(
-        q, k, v, out, dout, lse.float().contiguous(), softmax_scale=scale,
-        causal=causal, window_size_left=None, window_size_right=None,
+        q, k, v, out, dout, lse.float().contiguous(), softmax_scale=scale, **_mask_kwargs(causal),
         dlse=None if dlse is None else dlse.float().contiguous(),
     )[:3]
     return dq, dk, dv
+
+
+def fa4_causal_pieces(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int) -> list[Piece]:
+    """A causal block at global offsets for FA4: one call with a `Band` where every query row sees its
+    first key (`q_start >= k_start`) and the diagonal sits right of FA4's causal one, as bare FA4 takes
+    it (two calls cost up to 1.10x bare FA4's time on H200 at S 8K, d 64; NOTES.md); otherwise the
+    pieces of `split_causal_block_bottom_right`."""
+    shift = (q_start - k_start) - (seqlen_k - seqlen_q)
+    if q_start >= k_start and shift > 0 and seqlen_q and seqlen_k:
+        if q_start - k_start >= seqlen_k - 1:  # every row sees every key
+            return [Piece(0, seqlen_q, 0, seqlen_k, False)]
+        return [Piece(0, seqlen_q, 0, seqlen_k, Band(shift))]
+    return split_causal_block_bottom_right(seqlen_q, seqlen_k, q_start, k_start)
 
 
 def split_causal_block_bottom_right(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int) -> list[Piece]:
@@ -200,12 +224,13 @@ def _native_lse_grad_parts(ks: KernelSet, dout, q, k, v, out, lse, delta, *, sof
     return grads
 
 
-def bottom_right_block_op(name: str, forward: Callable, backward: Callable) -> BlockOp:
+def bottom_right_block_op(name: str, forward: Callable, backward: Callable,
+                          causal_pieces: Callable = split_causal_block_bottom_right) -> BlockOp:
     """A block op over kernels with FlashAttention-4's conventions: `forward(q, k, v, causal, scale)
     -> (out, lse)`, `backward(dout, q, k, v, out, lse, causal, scale, dlse=None) -> (dq, dk, dv)`,
-    causal bottom-right on any shape, native GQA. Forward (and `forward_parts`) run on the shared
-    driver; backward passes the lse gradient to the kernels."""
-    ks = KernelSet(forward=forward, backward=backward, native_gqa=True, causal_pieces=split_causal_block_bottom_right)
+    causal bottom-right on any shape, native GQA; `causal_pieces` cuts causal blocks for them. Forward
+    (and `forward_parts`) run on the shared driver; backward passes the lse gradient to the kernels."""
+    ks = KernelSet(forward=forward, backward=backward, native_gqa=True, causal_pieces=causal_pieces)
     parts = partial(_native_lse_grad_parts, ks)
     return replace(fused_block_op(name, ks), backward=partial(accumulate_parts, parts), backward_parts=parts)
 
@@ -239,9 +264,9 @@ def fa4_mask_args(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int, caus
 
 
 FA4_KERNELS = KernelSet(forward=_fa4_forward, backward=_fa4_backward, native_gqa=True,
-                        causal_pieces=split_causal_block_bottom_right)
+                        causal_pieces=fa4_causal_pieces)
 
-FA4_BLOCK_OP = bottom_right_block_op("fa4", _fa4_forward, _fa4_backward)
+FA4_BLOCK_OP = bottom_right_block_op("fa4", _fa4_forward, _fa4_backward, fa4_causal_pieces)
 
-__all__ = ["FA4_BLOCK_OP", "FA4_KERNELS", "VERIFIED_HEAD_DIMS", "bottom_right_block_op", "fa4_mask_args",
+__all__ = ["FA4_BLOCK_OP", "FA4_KERNELS", "VERIFIED_HEAD_DIMS", "Band", "fa4_causal_pieces", "bottom_right_block_op", "fa4_mask_args",
            "head_dim_refused", "interface_missing", "split_causal_block_bottom_right"]
