@@ -15,7 +15,7 @@ once at the end, in float32, reading every part once and writing the result in i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -322,11 +322,13 @@ def add_parts(acc: torch.Tensor, parts: Sequence[GradPart]) -> None:
 
 
 class _Parts:
-    """Row-offset parts of one result, combined by `combine(parts, dtype)` when there are
-    `MAX_PENDING` of them (into one float32 part) and at the end (`result`)."""
+    """Row-offset parts of one result, combined by the subclass's `_combine(parts, dtype)` when there
+    are `MAX_PENDING` of them (into one float32 part) and at the end (`result`). (A method, not a
+    callable kept on the object: a bound method stored on its own object is a reference cycle, which
+    left the parts' tensors to the garbage collector.)"""
 
-    def __init__(self, combine: Callable, acc_dtype: torch.dtype):
-        self._combine, self.acc_dtype = combine, acc_dtype
+    def __init__(self, acc_dtype: torch.dtype):
+        self.acc_dtype = acc_dtype
         self._parts: list = []
 
     def add(self, part, offset: int = 0) -> None:
@@ -351,7 +353,11 @@ class StateMerge(_Parts):
     """
 
     def __init__(self, shape: Sequence[int], acc_dtype: torch.dtype, device: torch.device):
-        super().__init__(lambda parts, dtype: merge_parts(shape, parts, dtype, device, acc_dtype), acc_dtype)
+        super().__init__(acc_dtype)
+        self.shape, self.device = tuple(shape), device
+
+    def _combine(self, parts: list[StatePart], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return merge_parts(self.shape, parts, dtype, self.device, self.acc_dtype)
 
     @staticmethod
     def _fold(state: tuple[torch.Tensor, torch.Tensor]) -> StatePart:
@@ -369,10 +375,10 @@ class PartSum(_Parts):
 
     def __init__(self, shape: Sequence[int], acc_dtype: torch.dtype, device: torch.device):
         self.shape, self.device = tuple(shape), device
-        super().__init__(self._sum, acc_dtype)
+        super().__init__(acc_dtype)
         self._acc: torch.Tensor | None = None
 
-    def _sum(self, parts: list[GradPart], dtype: torch.dtype) -> torch.Tensor:
+    def _combine(self, parts: list[GradPart], dtype: torch.dtype) -> torch.Tensor:
         if self._acc is not None:
             parts = [GradPart(0, self._acc), *parts]
             self._acc = None

@@ -113,3 +113,23 @@ def test_sliding_window_model():
     assert (outs["ringlse"] - outs["sdpa"]).abs().max().item() <= EXACT
     model.config.sliding_window = None  # the window mattered: without it the logits change
     assert (model(input_ids=ids, use_cache=False).logits - outs["ringlse"]).abs().max().item() > 1e-3
+
+
+def test_compiled_model_reuses_its_graph_across_document_layouts():
+    """Each batch packs other documents: under `ring(cu_seqlens=...)` the boundaries are a graph input,
+    not a constant, so new boundaries do not recompile (a new number of documents may, once)."""
+    import torch._dynamo
+    import torch._dynamo.testing
+
+    rt.register()
+    model = tw.tiny_llama()
+    model.config._attn_implementation = "ringlse"
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for docs in ([0, 9, 40], [0, 25, 40], [0, 3, 17, 40], [0, 1, 2, 30, 40]):
+        ids, pos = tw.packed_inputs(40, docs)
+        with rt.ring(layout="contiguous", cu_seqlens=docs):
+            got = compiled(input_ids=ids, position_ids=pos, use_cache=False).logits
+        alone = torch.cat([model(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(docs, docs[1:])], 1)
+        assert (got - alone).abs().max().item() <= EXACT, docs
+    assert counter.frame_count <= 2

@@ -46,7 +46,9 @@ class _Ring:
     group: dist.ProcessGroup | None
     group_name: str
     layout: str
-    cu_seqlens: tuple[int, ...] | None
+    # a CPU tensor, not a tuple: under torch.compile a tensor is a graph input, so batches with other
+    # documents reuse the graph (a tuple would be a constant, one recompilation per batch)
+    cu_seqlens: torch.Tensor | None
     backend: str
 
 
@@ -66,8 +68,8 @@ def ring(group: dist.ProcessGroup | None = None, layout: str | None = None,
         cu_seqlens: document boundaries over the global sequence (`RingBatch.cu_seqlens`), or None.
         backend: the block op, as in `ring_attention`.
     """
-    entry = _Ring(group, library.group_name(group), layout or default_layout(True),
-                  None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens), backend)
+    bounds = None if cu_seqlens is None else torch.as_tensor(cu_seqlens, dtype=torch.int64, device="cpu")
+    entry = _Ring(group, library.group_name(group), layout or default_layout(True), bounds, backend)
     _ACTIVE.append(entry)
     try:
         yield
