@@ -91,15 +91,30 @@ def _block_calls(op: BlockOp, rule: Rule, q0: int, q1: int, k0: int, k1: int, q_
         elif kind is BlockKind.PARTIAL:
             yield BlockCall(q0, q1, k0, k1, False, 0, 0, iv)
         return
-    if rule.window != (-1, -1):
-        raise ValueError(f"{what}: window_size needs a backend that takes windows (intervals); "
-                         f"the {op.name!r} block op does not")
-    docs = rule.docs
-    for a, b in zip(docs, docs[1:]):  # each document alone is a plain block
-        qa, qb = max(q0, q0 + a - q_start), min(q1, q0 + b - q_start)
-        ka, kb = max(k0, k0 + a - k_start), min(k1, k0 + b - k_start)
-        if qa < qb and ka < kb:
-            yield from _plain_calls(qa, qb, ka, kb, rule.causal, q_start + qa - q0, k_start + ka - k0)
+    windowed = rule.window != (-1, -1)
+    if windowed and not op.takes_window:
+        raise ValueError(f"{what}: window_size needs a backend that takes windows; the {op.name!r} block op does not")
+    segments = [(q0, q1, k0, k1)]
+    if rule.docs is not None:  # each document alone is a block of its own
+        segments = [(max(q0, q0 + a - q_start), min(q1, q0 + b - q_start), max(k0, k0 + a - k_start),
+                     min(k1, k0 + b - k_start)) for a, b in zip(rule.docs, rule.docs[1:])]
+    for qa, qb, ka, kb in segments:
+        if qa >= qb or ka >= kb:
+            continue
+        qs, ks = q_start + qa - q0, k_start + ka - k0
+        if not windowed:
+            yield from _plain_calls(qa, qb, ka, kb, rule.causal, qs, ks)
+            continue
+        # a window as a rule: cut to the rows that see keys and the keys they see (`fa4_window_pieces`)
+        iv = block_intervals(Rule(rule.causal, rule.window), Span(qs, qb - qa), Span(ks, kb - ka), device="cpu")
+        box, kind = iv.box(), iv.kind()
+        if box is None:
+            continue
+        if kind is BlockKind.FULL:
+            yield BlockCall(qa, qb, ka, kb, False, 0, 0)
+            continue
+        r0, r1, c0, c1 = box
+        yield BlockCall(qa + r0, qa + r1, ka + c0, ka + c1, rule.causal, qs + r0, ks + c0, window=rule.window)
 
 
 def _attend(q, k, v, *, causal, softmax_scale, q_start, k_start, window_size, cu_seqlens, chunk_size, backend,
@@ -131,10 +146,12 @@ def attend_plan(q, k, v, *, causal, softmax_scale, q_start, k_start, window_size
     end = max(q_start + q.shape[1], k_start + k.shape[1])
     docs = check_docs(cu_seqlens, end, what)
     scale = check_scale(softmax_scale, q.shape[-1], what)
-    # windows need intervals; documents alone are cut into plain calls for ops without them, except
-    # that `auto` takes an op with intervals for them (one launch per block, not per document)
-    op = get_block_op(backend, q.device, q.dtype, masked=window != (-1, -1) or (backend == "auto" and docs is not None),
-                      head_dim=q.shape[-1])
+    # windows need intervals or an op taking them as a rule (fa4); documents alone are cut into plain
+    # calls for ops without intervals, except that `auto` takes an op with intervals for both (one
+    # launch per block, not per document)
+    windowed = window != (-1, -1)
+    op = get_block_op(backend, q.device, q.dtype, masked=backend == "auto" and (windowed or docs is not None),
+                      head_dim=q.shape[-1], window=windowed)
     rule = Rule(causal, window, docs)
     sq, sk = q.shape[1], k.shape[1]
     step = max(sk if chunk_size is None else chunk_size, 1)
@@ -296,7 +313,8 @@ def varlen_attention(
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     check_qkv(q4, k4, v4, what)
     scale = check_scale(softmax_scale, q.shape[-1], what)
-    op = get_block_op(backend, q.device, q.dtype, masked=window != (-1, -1), head_dim=q.shape[-1])
+    op = get_block_op(backend, q.device, q.dtype, masked=backend == "auto" and window != (-1, -1),
+                      head_dim=q.shape[-1], window=window != (-1, -1))
     rule = Rule(causal, window)
     calls = []
     for (qa, qe), (ka, ke) in zip(zip(qb, qb[1:]), zip(kb, kb[1:])):

@@ -227,6 +227,14 @@ class Intervals(NamedTuple):
             return BlockKind.EMPTY
         return BlockKind.FULL if total == sq * sk else BlockKind.PARTIAL
 
+    def box(self) -> tuple[int, int, int, int] | None:
+        """`(r0, r1, k0, k1)`: the rows that see any key and the keys they see (None: nothing visible)."""
+        seen = (self.key_hi > self.key_lo).nonzero().flatten()
+        if seen.numel() == 0:
+            return None
+        rows = slice(int(seen[0]), int(seen[-1]) + 1)
+        return rows.start, rows.stop, int(self.key_lo[rows].min()), int(self.key_hi[rows].max())
+
     def dense(self) -> torch.Tensor:
         """`[sq, sk]` bool (for the PyTorch op, which forms the scores anyway)."""
         j = torch.arange(self.query_lo.numel(), device=self.key_lo.device)

@@ -519,13 +519,63 @@ def test_fa4_op_documents_run_per_document(bounds, causal, fake_fa4):
     assert fake_fa4.calls["fwd"] == n_docs  # one plain FA4 call per non-empty document
 
 
-def test_fa4_op_refuses_windows_and_other_dtypes(fake_fa4):
+# (sq, sk, causal, window, cu_seqlens): windows as FA4's own bounds, one call per block (or per document)
+WINDOW_CASES = [
+    pytest.param((97, 97, True, (5, -1), None), id="causal-left5"),
+    pytest.param((97, 97, False, (0, 3), None), id="right3"),
+    pytest.param((97, 97, False, (7, 7), None), id="both7"),
+    pytest.param((97, 97, False, (0, 0), None), id="window0"),
+    pytest.param((97, 97, True, (300, -1), None), id="wider-than-S"),
+    pytest.param((40, 97, True, (9, -1), None), id="bottom-right-fewer-queries"),
+    pytest.param((97, 40, False, (3, 2), None), id="more-queries-rows-see-nothing"),
+    pytest.param((97, 97, True, (6, -1), [0, 30, 31, 77, 97]), id="causal-window-documents"),
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES)
+def test_fa4_op_windows(case, fake_fa4):
+    sq, sk, causal, window, docs = case
+
+    def run(q, k, v):
+        return ringlse.attention(q, k, v, causal=causal, window_size=window, cu_seqlens=docs, return_lse=True,
+                                 backend=FA4_BLOCK_OP)
+
+    check_against_reference(run, 2, sq, sk, 4, 2, 32, torch.float16, "cpu", lse_grad=True, seed=sq + sk,
+                            causal=causal, window_size=window, cu_seqlens=docs)
+    n_docs = 1 if docs is None else sum(1 for a, b in zip(docs, docs[1:]) if b > a)
+    assert fake_fa4.calls["fwd"] <= n_docs  # one FA4 call per block (per document), windows native
+
+
+@pytest.mark.parametrize("window", [(5, -1), (3, 4)], ids=["causal-left5", "left3-right4"])
+def test_fa4_op_windows_over_chunks_and_offsets(window, fake_fa4):
+    """Key chunks and blocks at global offsets: each call is cut to the rows that see keys, so FA4's
+    bounds never go negative (a far-left chunk would need them)."""
+    causal = window[1] == -1
+
+    def chunked(q, k, v):
+        return ringlse.chunked_attention(q, k, v, causal=causal, window_size=window, chunk_size=16, return_lse=True,
+                                         backend=FA4_BLOCK_OP)
+
+    check_against_reference(chunked, 1, 97, 97, 2, 1, 24, torch.float16, "cpu", lse_grad=True, seed=3,
+                            causal=causal, window_size=window)
+
+    def block(q, k, v):
+        return ringlse.block_attention(q, k, v, causal=causal, window_size=window, q_start=50, k_start=41,
+                                       backend=FA4_BLOCK_OP)
+
+    check_against_reference(block, 1, 33, 20, 2, 1, 24, torch.float16, "cpu", lse_grad=False, seed=4,
+                            causal=causal, window_size=window, q_start=50, k_start=41)
+
+
+def test_fa4_op_refuses_other_dtypes_and_ring_windows(fake_fa4):
     q = torch.randn(1, 8, 2, 16, dtype=torch.float16)
-    with pytest.raises(ValueError, match="window_size needs a backend that takes windows"):
-        ringlse.attention(q, q, q, window_size=(2, 0), backend=FA4_BLOCK_OP)
     with pytest.raises(ValueError, match="fp16/bf16 only"):
         FA4_BLOCK_OP.forward(q.float(), q.float(), q.float(), softmax_scale=0.25, causal=False, q_start=0, k_start=0)
-    assert not FA4_BLOCK_OP.takes_intervals and not FA4_BLOCK_OP.uses_delta
+    with pytest.raises(ValueError, match="windows and documents need a backend that takes intervals"):
+        ringlse.ring_attention(q, q, q, window_size=(2, 0), backend=FA4_BLOCK_OP)
+    with pytest.raises(ValueError, match="sdpa does not take windows"):
+        ringlse.attention(q, q, q, window_size=(2, 0), backend="sdpa")
+    assert FA4_BLOCK_OP.takes_window and not FA4_BLOCK_OP.takes_intervals and not FA4_BLOCK_OP.uses_delta
     assert FA4_BLOCK_OP.forward_parts is not None and FA4_BLOCK_OP.backward_parts is not None
 
 
@@ -765,6 +815,36 @@ def test_fa4_gpu_no_lse_grad_and_flash_resolves_to_fa4(case):
     b, sq, sk, h, hkv, d, causal, q_start, k_start = case
     check_against_reference(_block("flash", causal, q_start, k_start), b, sq, sk, h, hkv, d, torch.bfloat16, "cuda",
                             lse_grad=False, seed=4, causal=causal, q_start=q_start, k_start=k_start)
+
+
+GPU_WINDOW_CASES = [
+    pytest.param((1024, 1024, True, (256, -1), None), id="causal-left256"),
+    pytest.param((1024, 1024, False, (100, 37), None), id="left100-right37"),
+    pytest.param((640, 1025, True, (129, -1), None), id="bottom-right-fewer-queries"),
+    pytest.param((1025, 640, False, (3, 2), None), id="more-queries-rows-see-nothing"),
+    pytest.param((1024, 1024, True, (200, -1), [0, 300, 300, 777, 1000, 1024]), id="causal-window-documents"),
+]
+
+
+@gpu_fa4
+@pytest.mark.parametrize("case", GPU_WINDOW_CASES)
+def test_fa4_gpu_windows(case):
+    """Windows as FlashAttention-4's own bounds, with the real FA4, against the float64 reference."""
+    sq, sk, causal, window, docs = case
+
+    def run(q, k, v):
+        return ringlse.attention(q, k, v, causal=causal, window_size=window, cu_seqlens=docs, return_lse=True,
+                                 backend="fa4")
+
+    check_against_reference(run, 1, sq, sk, 8, 2, 128, torch.bfloat16, "cuda", lse_grad=True, seed=sq + sk,
+                            causal=causal, window_size=window, cu_seqlens=docs)
+
+    def chunked(q, k, v):
+        return ringlse.chunked_attention(q, k, v, causal=causal, window_size=window, cu_seqlens=docs,
+                                         chunk_size=384, return_lse=True, backend="fa4")
+
+    check_against_reference(chunked, 1, sq, sk, 8, 2, 64, torch.bfloat16, "cuda", lse_grad=False, seed=7,
+                            causal=causal, window_size=window, cu_seqlens=docs)
 
 
 @gpu_fa4

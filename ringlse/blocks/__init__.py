@@ -44,6 +44,8 @@ _BACKENDS: dict[str, tuple[str, str, tuple[torch.dtype, ...], bool]] = {
 # triton ring took 1.03x: benchmarks/results/fa4-*.json, block_attention-NVIDIA_H200.json, ring-4xH200.json)
 _AUTO_MEASURED = {(9, 0): ("fa4", "sdpa", "triton", "torch")}
 _AUTO_CUDA = ("triton", "sdpa", "torch")
+# backends whose ops take windows as a rule (`BlockOp.takes_window`) besides those taking intervals
+_TAKES_WINDOW = ("fa4",)
 # what `flash` stands for, best first
 _FLASH_ORDER = ("fa4", "fa2")
 # the GPU each FlashAttention needs (compute capability)
@@ -97,11 +99,15 @@ def auto_candidates(capability: tuple[int, int] | None, dtype: torch.dtype | Non
 
 
 def backend_unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype | None = None,
-                               masked: bool = False, head_dim: int | None = None) -> str | None:
+                               masked: bool = False, head_dim: int | None = None, window: bool = False) -> str | None:
     """Why backend `name` cannot run on `device` (with inputs of `dtype` and `head_dim`, if given;
-    with windows or documents as intervals if `masked`), or None."""
+    with windows or documents as intervals if `masked`; with a window, as intervals or as a rule, if
+    `window`), or None."""
     if name not in _BACKENDS:
         return f"unknown backend {name!r}"
+    if window and not masked and name != "flash" and not (_BACKENDS[name][3] or name in _TAKES_WINDOW):
+        takers = [n for n, entry in _BACKENDS.items() if entry[3] or n in _TAKES_WINDOW]
+        return f"{name} does not take windows (backends that do: {', '.join(takers)})"
     if name == "fa4" and head_dim is not None:
         refused = importlib.import_module("ringlse.blocks.fa4").head_dim_refused(head_dim)
         if refused is not None:
@@ -125,7 +131,7 @@ def backend_unavailable_reason(name: str, device: torch.device | str, dtype: tor
     if device.type != "cuda":
         return f"{name} needs a CUDA device"
     if name == "flash":
-        reasons = [(n, backend_unavailable_reason(n, device, dtype, masked, head_dim)) for n in _FLASH_ORDER]
+        reasons = [(n, backend_unavailable_reason(n, device, dtype, masked, head_dim, window)) for n in _FLASH_ORDER]
         if any(r is None for _, r in reasons):
             return None
         return "no FlashAttention can run here: " + "; ".join(f"{n}: {r}" for n, r in reasons)
@@ -143,14 +149,14 @@ def backend_unavailable_reason(name: str, device: torch.device | str, dtype: tor
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype | None = None, masked: bool = False,
-                       head_dim: int | None = None) -> list[str]:
+                       head_dim: int | None = None, window: bool = False) -> list[str]:
     """Names of the backends that can run on `device` (for inputs of `dtype` and `head_dim`, if
-    given; taking windows and documents, if `masked`)."""
-    return [n for n in _BACKENDS if backend_unavailable_reason(n, device, dtype, masked, head_dim) is None]
+    given; taking windows and documents as intervals, if `masked`; taking a window, if `window`)."""
+    return [n for n in _BACKENDS if backend_unavailable_reason(n, device, dtype, masked, head_dim, window) is None]
 
 
 def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torch.dtype | None = None,
-                 masked: bool = False, head_dim: int | None = None) -> BlockOp:
+                 masked: bool = False, head_dim: int | None = None, window: bool = False) -> BlockOp:
     """The block op for `backend` on `device` and inputs of `dtype` and `head_dim`. `auto` is the
     first of `auto_candidates` that can run the call: on an sm90 GPU (H100, H200) with fp16/bf16,
     `fa4` where FlashAttention-4 is installed, else `sdpa` (cuDNN), else `triton`; on other GPUs
@@ -172,20 +178,20 @@ def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torc
     if backend == "auto":
         cap = _capability(device) if device.type == "cuda" else None
         candidates = auto_candidates(None if isinstance(cap, str) else cap, dtype, masked)
-        name = next((n for n in candidates if backend_unavailable_reason(n, device, dtype, masked, head_dim) is None),
-                    "torch")
+        name = next((n for n in candidates
+                     if backend_unavailable_reason(n, device, dtype, masked, head_dim, window) is None), "torch")
     else:
         name = backend
-    reason = backend_unavailable_reason(name, device, dtype, masked, head_dim)
+    reason = backend_unavailable_reason(name, device, dtype, masked, head_dim, window)
     if reason is not None:
         raise ValueError(
             f"backend {backend!r} is not available on {device.type}"
             + (f" for {dtype}" if dtype is not None else "")
-            + f": {reason}; available here: {available_backends(device, dtype, masked, head_dim)} (or 'auto')"
+            + f": {reason}; available here: {available_backends(device, dtype, masked, head_dim, window)} (or 'auto')"
         )
     if name == "flash":  # the best FlashAttention that can run
         name = next(n for n in _FLASH_ORDER
-                    if backend_unavailable_reason(n, device, dtype, masked, head_dim) is None)
+                    if backend_unavailable_reason(n, device, dtype, masked, head_dim, window) is None)
     module, attr, _, _ = _BACKENDS[name]
     return getattr(importlib.import_module(module), attr)
 

@@ -10,7 +10,8 @@ forward(q, k, v, *, softmax_scale, causal, q_start, k_start, out_acc=None, lse_a
     and `lse_acc` `[b, h, sq]` (float32/float64, possibly strided views into larger buffers): merges
     the block into them in place (CONVENTIONS.md §3, `-inf`-safe) and returns them. Ops with
     `takes_intervals` also take `intervals=` (`ringlse.masks.Intervals`) for masks other than plain
-    causal (windows, documents; CONVENTIONS.md §10), with `causal=False`; backward likewise.
+    causal (windows, documents; CONVENTIONS.md §10), with `causal=False`; backward likewise. Ops with
+    `takes_window` take `window_size=(left, right)` instead, for windows alone.
 
 forward_parts(q, k, v, *, softmax_scale, causal, q_start, k_start)
     Optional, for ops whose kernels return their state as new tensors (cuDNN, flash-attn): the block's
@@ -65,12 +66,15 @@ class BlockCall(NamedTuple):
     q_start: int
     k_start: int
     intervals: Intervals | None = None
+    window: tuple[int, int] | None = None  # for ops that take windows as a rule (`BlockOp.takes_window`)
 
     def block_args(self) -> dict:
         """The mask arguments of a block-op call for this call."""
         kw = dict(causal=self.causal, q_start=self.q_start, k_start=self.k_start)
         if self.intervals is not None:
             kw["intervals"] = self.intervals
+        if self.window is not None:
+            kw["window_size"] = self.window
         return kw
 
 
@@ -99,6 +103,10 @@ class BlockOp:
     # forward/backward take `intervals=` (`ringlse.masks.Intervals`: any mask where each query row
     # sees one interval of keys: windows, documents); callers pass causal=False with it
     takes_intervals: bool = False
+    # forward/backward take `window_size=(left, right)` (CONVENTIONS.md §10) with `causal`, `q_start`,
+    # `k_start`: one window rule over the block, which callers cut to the rows that see keys and the
+    # keys they see (documents are cut per document); FlashAttention-4 has windows natively
+    takes_window: bool = False
 
     def compute_delta(self, dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.delta is not None:

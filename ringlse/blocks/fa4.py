@@ -30,12 +30,11 @@ What this module adds, on the shared driver of `ringlse.blocks.fused`:
 - head dims refused unless checked: FA4's sm90 backward gives a wrong dq for head dims 8, 16, 40, 48,
   72, 80, 104 (mod 32 in {8, 16}; H200 and H100, 4.0.0b36; `VERIFIED_HEAD_DIMS`, `benchmarks/NOTES.md`).
 
-Windows and documents: the op keeps `takes_intervals=False`. A block's rule arrives as per-row
-intervals (`ringlse.masks.Intervals`, tensors), and reading a band back out of them would cost a
-device-to-host copy per block; so documents run as one plain block per document (the driver's
-callers cut them) and windows raise a ValueError that names the backends taking them.
-`fa4_mask_args` maps a block's causal/window rule to FA4's native arguments; the benchmark uses it
-to give bare FA4 the same visible work, and a later op taking the rule could use it.
+Windows and documents: the op takes windows as a rule (`takes_window`: `window_size=` with causal and
+the offsets, mapped to FA4's native bounds by `fa4_mask_args`), not per-row intervals (tensors: reading
+a band back out of them would cost a device-to-host copy per block). Single-device callers cut a block
+to the rows that see keys first and documents into one block each; the ring needs intervals, so a ring
+with windows or documents raises a ValueError that names the backends taking them.
 """
 
 from __future__ import annotations
@@ -140,14 +139,16 @@ def _check_dtype(q: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class Band:
     """A piece's mask for FA4 beyond plain causal: key j visible to query i iff
-    `j <= i + (sk - sq) + right` (FA4's `window_size_right`, bottom-right aligned; no left bound)."""
+    `i + (sk - sq) - left <= j <= i + (sk - sq) + right` (FA4's `window_size_left`/`_right`, bottom-right
+    aligned; None = unbounded)."""
 
-    right: int
+    right: int | None
+    left: int | None = None
 
 
 def _mask_kwargs(causal: bool | Band) -> dict:
     if isinstance(causal, Band):
-        return dict(causal=False, window_size_left=None, window_size_right=causal.right)
+        return dict(causal=False, window_size_left=causal.left, window_size_right=causal.right)
     return dict(causal=causal, window_size_left=None, window_size_right=None)
 
 
@@ -203,13 +204,14 @@ def split_causal_block_bottom_right(seqlen_q: int, seqlen_k: int, q_start: int, 
 
 
 def _native_lse_grad_parts(ks: KernelSet, dout, q, k, v, out, lse, delta, *, softmax_scale: float, causal: bool,
-                           q_start: int, k_start: int, lse_grad: torch.Tensor | None = None) -> BlockGrads:
+                           q_start: int, k_start: int, lse_grad: torch.Tensor | None = None,
+                           window_size: tuple[int, int] | None = None) -> BlockGrads:
     """The block-op `backward_parts` for kernels whose backward takes the lse gradient (`dlse=`):
     one backward call per piece, gradients as the kernels return them. `delta` is not read."""
     sq, sk = q.shape[1], k.shape[1]
     grads = BlockGrads([], [], [])
     with torch.no_grad():
-        pieces = block_pieces(ks, sq, sk, q_start, k_start, causal)
+        pieces = block_pieces(ks, sq, sk, q_start, k_start, causal, window_size)
         if not pieces:
             return grads
         # rows that saw nothing anywhere get lse +inf, so P = 0 (FA4 reads -inf as 0, which would not)
@@ -224,15 +226,32 @@ def _native_lse_grad_parts(ks: KernelSet, dout, q, k, v, out, lse, delta, *, sof
     return grads
 
 
+def fa4_window_pieces(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int, causal: bool,
+                      window_size: tuple[int, int]) -> list[Piece]:
+    """A block under a window (and causal) rule as one FA4 call: plain causal or non-causal where the
+    rule is that, else a `Band` (`fa4_mask_args`). Callers cut the block to the rows that see keys and
+    the keys they see first (`ringlse.masks.Intervals.box`): then the last row's left bound and the last
+    key seen keep both of FA4's bounds >= 0, which `fa4_mask_args` checks (ValueError otherwise)."""
+    if not (seqlen_q and seqlen_k):
+        return []
+    plain_causal, (left, right) = fa4_mask_args(seqlen_q, seqlen_k, q_start, k_start, causal, window_size)
+    if left is None and right is None:
+        return [Piece(0, seqlen_q, 0, seqlen_k, plain_causal)]
+    return [Piece(0, seqlen_q, 0, seqlen_k, Band(right=right, left=left))]
+
+
 def bottom_right_block_op(name: str, forward: Callable, backward: Callable,
-                          causal_pieces: Callable = split_causal_block_bottom_right) -> BlockOp:
+                          causal_pieces: Callable = split_causal_block_bottom_right,
+                          window_pieces: Callable | None = None) -> BlockOp:
     """A block op over kernels with FlashAttention-4's conventions: `forward(q, k, v, causal, scale)
     -> (out, lse)`, `backward(dout, q, k, v, out, lse, causal, scale, dlse=None) -> (dq, dk, dv)`,
     causal bottom-right on any shape, native GQA; `causal_pieces` cuts causal blocks for them. Forward
     (and `forward_parts`) run on the shared driver; backward passes the lse gradient to the kernels."""
-    ks = KernelSet(forward=forward, backward=backward, native_gqa=True, causal_pieces=causal_pieces)
+    ks = KernelSet(forward=forward, backward=backward, native_gqa=True, causal_pieces=causal_pieces,
+                   window_pieces=window_pieces)
     parts = partial(_native_lse_grad_parts, ks)
-    return replace(fused_block_op(name, ks), backward=partial(accumulate_parts, parts), backward_parts=parts)
+    return replace(fused_block_op(name, ks), backward=partial(accumulate_parts, parts), backward_parts=parts,
+                   takes_window=window_pieces is not None)
 
 
 def fa4_mask_args(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int, causal: bool,
@@ -264,9 +283,9 @@ def fa4_mask_args(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int, caus
 
 
 FA4_KERNELS = KernelSet(forward=_fa4_forward, backward=_fa4_backward, native_gqa=True,
-                        causal_pieces=fa4_causal_pieces)
+                        causal_pieces=fa4_causal_pieces, window_pieces=fa4_window_pieces)
 
-FA4_BLOCK_OP = bottom_right_block_op("fa4", _fa4_forward, _fa4_backward, fa4_causal_pieces)
+FA4_BLOCK_OP = bottom_right_block_op("fa4", _fa4_forward, _fa4_backward, fa4_causal_pieces, fa4_window_pieces)
 
-__all__ = ["FA4_BLOCK_OP", "FA4_KERNELS", "VERIFIED_HEAD_DIMS", "Band", "fa4_causal_pieces", "bottom_right_block_op", "fa4_mask_args",
+__all__ = ["FA4_BLOCK_OP", "FA4_KERNELS", "VERIFIED_HEAD_DIMS", "Band", "fa4_causal_pieces", "fa4_window_pieces", "bottom_right_block_op", "fa4_mask_args",
            "head_dim_refused", "interface_missing", "split_causal_block_bottom_right"]

@@ -48,9 +48,17 @@ class KernelSet:
     # (sq, sk, q_start, k_start) -> pieces of a causal block, each causal piece aligned as the kernels
     # align it: top-left for the SDPA kernels; flash-attn's are bottom-right (top-left on a square)
     causal_pieces: Callable[[int, int, int, int], list[Piece]] = split_causal_block
+    # (sq, sk, q_start, k_start, causal, window) -> pieces of a windowed block, for kernels with native
+    # windows (FlashAttention-4), else None
+    window_pieces: Callable[..., list[Piece]] | None = None
 
 
-def block_pieces(ks: KernelSet, sq: int, sk: int, q_start: int, k_start: int, causal: bool) -> list[Piece]:
+def block_pieces(ks: KernelSet, sq: int, sk: int, q_start: int, k_start: int, causal: bool,
+                 window: tuple[int, int] | None = None) -> list[Piece]:
+    if window is not None and window != (-1, -1):
+        if ks.window_pieces is None:
+            raise ValueError("these kernels take no windows")
+        return ks.window_pieces(sq, sk, q_start, k_start, causal, window)
     if not causal:
         return [Piece(0, sq, 0, sk, False)] if sq and sk else []
     return ks.causal_pieces(sq, sk, q_start, k_start)
@@ -82,6 +90,7 @@ def fused_block_states(
     causal: bool,
     q_start: int,
     k_start: int,
+    window_size: tuple[int, int] | None = None,
 ) -> list[StatePart]:
     """The block-op `forward_parts` (see `ringlse.blockop`) over a family of fused kernels: one state
     per piece of the block, as the kernels return it (`out` in q's dtype), never merged."""
@@ -90,7 +99,7 @@ def fused_block_states(
     states = []
     with torch.no_grad():
         k, v = _expand_kv(ks, k, h), _expand_kv(ks, v, h)
-        for p in block_pieces(ks, q.shape[1], k.shape[1], q_start, k_start, causal):
+        for p in block_pieces(ks, q.shape[1], k.shape[1], q_start, k_start, causal, window_size):
             out, lse = ks.forward(q[:, p.q0 : p.q1], k[:, p.k0 : p.k1], v[:, p.k0 : p.k1], p.causal, softmax_scale)
             states.append(StatePart(p.q0, out, lse.to(acc)))
     return states
@@ -108,11 +117,12 @@ def fused_block_forward(
     k_start: int,
     out_acc: torch.Tensor | None = None,
     lse_acc: torch.Tensor | None = None,
+    window_size: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The block-op forward (see `ringlse.blockop`) over a family of fused kernels: the pieces' states
     merged in one pass (a lone whole piece, the common case, as it is) or into the accumulators."""
     states = fused_block_states(ks, q, k, v, softmax_scale=softmax_scale, causal=causal, q_start=q_start,
-                                k_start=k_start)
+                                k_start=k_start, window_size=window_size)
     if out_acc is None:
         return merge_parts(q.shape, states, q.dtype, q.device, lse_dtype(q.dtype))
     with torch.no_grad():
@@ -137,6 +147,7 @@ def fused_block_parts(
     q_start: int,
     k_start: int,
     lse_grad: torch.Tensor | None = None,
+    window_size: tuple[int, int] | None = None,
 ) -> BlockGrads:
     """The block-op `backward_parts` (see `ringlse.blockop`) over a family of fused kernels: the
     kernels' own output tensors (q's dtype; float32 where GQA groups are summed or for the lse-gradient
@@ -147,7 +158,7 @@ def fused_block_parts(
     acc = lse_dtype(q.dtype)
     grads = BlockGrads([], [], [])
     with torch.no_grad():
-        pieces = block_pieces(ks, sq, sk, q_start, k_start, causal)
+        pieces = block_pieces(ks, sq, sk, q_start, k_start, causal, window_size)
         if not pieces:
             return grads
         dout, out, lse, lse_k, e = backward_operands(q, dout, out, lse, lse_grad)
