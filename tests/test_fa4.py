@@ -39,6 +39,7 @@ from ringlse.blocks.fused import fused_block_parts
 from ringlse.merge import merge_attn_states
 from ringlse.reference import reference_attention
 from ringlse.testing import assert_judged, naive_attention
+from fa4_checks import _block, _qkv, check_against_reference
 
 F64 = torch.float64
 HALF = (torch.float16, torch.bfloat16)
@@ -378,64 +379,6 @@ def test_mask_args_through_the_stand_ins_flash_attn_func(fake_fa4):
 # the op against the reference
 
 
-def _qkv(b, sq, sk, h, hkv, d, dtype, device, gen):
-    def draw(*shape):
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype).requires_grad_()
-
-    return draw(b, sq, h, d), draw(b, sk, hkv, d), draw(b, sk, hkv, d)
-
-
-def _loss(out, lse, dout, dlse):
-    # lse enters the loss only where finite; empty rows have lse -inf and must get zero gradients
-    loss = (out.to(dout.dtype) * dout).sum()
-    if dlse is not None:
-        loss = loss + (torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) * dlse).sum()
-    return loss
-
-
-def check_against_reference(run, b, sq, sk, h, hkv, d, dtype, device, *, lse_grad, seed, scale=None, **rule):
-    """`run(q, k, v) -> (out, lse)` with autograd; out, lse, dq, dk, dv judged by CONVENTIONS.md §7
-    against `reference_attention(..., **rule)` (float64: exactly, `assert_close`)."""
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = _qkv(b, sq, sk, h, hkv, d, dtype, device, gen)
-    out, lse = run(q, k, v)
-    assert out.shape == q.shape and out.dtype == dtype
-    assert lse.shape == (b, h, sq) and lse.dtype == (F64 if dtype == F64 else torch.float32)
-    assert not torch.isposinf(lse).any() and not torch.isnan(out).any()
-    dout = torch.randn(out.shape, generator=gen).to(device=device, dtype=F64)
-    dlse = torch.randn(lse.shape, generator=gen).to(device=device, dtype=F64) if lse_grad else None
-    grads = torch.autograd.grad(_loss(out.double(), lse.double(), dout, dlse), (q, k, v))
-
-    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
-    ref_out, ref_lse = reference_attention(q64, k64, v64, softmax_scale=scale, **rule)
-    ref_grads = torch.autograd.grad(_loss(ref_out, ref_lse, dout, dlse), (q64, k64, v64))
-    base = [None] * 5
-    if dtype in HALF:
-        qb, kb, vb = (x.detach().clone().requires_grad_() for x in (q, k, v))
-        b_out, b_lse = naive_attention(qb, kb, vb, softmax_scale=scale, **rule)
-        b_grads = torch.autograd.grad(_loss(b_out, b_lse, dout.to(dtype), dlse.to(dtype) if lse_grad else None),
-                                      (qb, kb, vb))
-        base = [b_out, b_lse, *b_grads]
-    names = ("out", "lse", "dq", "dk", "dv")
-    for name, got, ref, bl in zip(names, (out, lse, *grads), (ref_out, ref_lse, *ref_grads), base):
-        if dtype == F64:
-            torch.testing.assert_close(got, ref, msg=lambda m: f"{name}: {m}")
-        else:
-            assert_judged(name, got, ref, bl, dtype, is_lse=name == "lse")
-    empty_rows = torch.isneginf(ref_lse).all(1)  # [b, sq]: rows that see no key (CONVENTIONS.md §2)
-    if empty_rows.any():
-        assert (out[empty_rows] == 0).all() and (grads[0][empty_rows] == 0).all()
-        assert torch.isneginf(lse.transpose(1, 2)[empty_rows]).all()
-
-
-def _block(op, causal, q_start, k_start, scale=None):
-    def run(q, k, v):
-        return ringlse.block_attention(q, k, v, causal=causal, q_start=q_start, k_start=k_start, softmax_scale=scale,
-                                       backend=op)
-
-    return run
-
-
 # (b, sq, sk, h, hkv, d, causal, q_start, k_start): every kind of block at global offsets
 CASES = [  # head dims FA4's backward computes right (fa4.VERIFIED_HEAD_DIMS)
     pytest.param((2, 97, 97, 4, 4, 88, True, 0, 0), id="diag-b2-s97-d88"),
@@ -766,136 +709,6 @@ def test_registry_entries_match_their_ops():
         module, attr, dtypes, intervals = registry._BACKENDS[name]
         op = getattr(importlib.import_module(module), attr)
         assert op.name == name and op.takes_intervals == intervals and set(dtypes) == set(HALF)
-
-
-# ------------------------------------------------------------------------------------------------
-# GPU: the real FlashAttention-4
-
-
-def _fa4_on_gpu() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    return registry.backend_unavailable_reason("fa4", "cuda", torch.bfloat16)
-
-
-def gpu_fa4(fn):
-    """GPU test with the real FlashAttention-4 (skipped without CUDA, FA4, or below sm90)."""
-    why = "FlashAttention-4 cannot run here"
-    return pytest.mark.gpu(pytest.mark.skipif("_fa4_on_gpu() is not None", reason=why)(fn))
-
-
-# (b, sq, sk, h, hkv, d, causal, q_start, k_start)
-GPU_CASES = [
-    pytest.param((2, 1025, 1025, 8, 8, 128, True, 0, 0), id="diag-s1025-d128"),
-    pytest.param((1, 640, 1025, 8, 2, 128, True, 385, 0), id="bottom-right-gqa"),
-    pytest.param((1, 1024, 1024, 8, 2, 64, True, 512, 0), id="partial-2pieces-gqa-d64"),
-    pytest.param((1, 1025, 640, 8, 2, 128, True, 700, 300), id="offset-gqa"),
-    pytest.param((1, 1000, 300, 4, 1, 64, True, 100, 0), id="more-queries-than-keys-mqa"),
-    pytest.param((2, 97, 200, 4, 1, 64, True, 100, 150), id="masked-rows-mqa"),
-    pytest.param((1, 512, 512, 4, 4, 56, True, 0, 1), id="stripe-d56"),
-    pytest.param((1, 512, 640, 8, 2, 128, True, 640, 0), id="off-diagonal-full"),
-    pytest.param((1, 640, 1025, 8, 2, 64, False, 0, 0), id="not-causal-gqa-d64"),
-]
-
-
-@gpu_fa4
-@pytest.mark.parametrize("case", GPU_CASES)
-def test_fa4_gpu(case):
-    b, sq, sk, h, hkv, d, causal, q_start, k_start = case
-    check_against_reference(_block("fa4", causal, q_start, k_start), b, sq, sk, h, hkv, d, torch.bfloat16, "cuda",
-                            lse_grad=True, seed=sum(case) % 1000, causal=causal, q_start=q_start, k_start=k_start)
-
-
-@gpu_fa4
-@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[3]])
-def test_fa4_gpu_no_lse_grad_and_flash_resolves_to_fa4(case):
-    """Without an lse gradient (dlse=None: FA4 compiles another backward), through `flash`."""
-    assert ringlse.get_block_op("flash", "cuda", torch.bfloat16) is FA4_BLOCK_OP
-    assert {"fa4", "flash"} <= set(ringlse.available_backends("cuda"))
-    b, sq, sk, h, hkv, d, causal, q_start, k_start = case
-    check_against_reference(_block("flash", causal, q_start, k_start), b, sq, sk, h, hkv, d, torch.bfloat16, "cuda",
-                            lse_grad=False, seed=4, causal=causal, q_start=q_start, k_start=k_start)
-
-
-GPU_WINDOW_CASES = [
-    pytest.param((1024, 1024, True, (256, -1), None), id="causal-left256"),
-    pytest.param((1024, 1024, False, (100, 37), None), id="left100-right37"),
-    pytest.param((640, 1025, True, (129, -1), None), id="bottom-right-fewer-queries"),
-    pytest.param((1025, 640, False, (3, 2), None), id="more-queries-rows-see-nothing"),
-    pytest.param((1024, 1024, True, (200, -1), [0, 300, 300, 777, 1000, 1024]), id="causal-window-documents"),
-]
-
-
-@gpu_fa4
-@pytest.mark.parametrize("case", GPU_WINDOW_CASES)
-def test_fa4_gpu_windows(case):
-    """Windows as FlashAttention-4's own bounds, with the real FA4, against the float64 reference."""
-    sq, sk, causal, window, docs = case
-
-    def run(q, k, v):
-        return ringlse.attention(q, k, v, causal=causal, window_size=window, cu_seqlens=docs, return_lse=True,
-                                 backend="fa4")
-
-    check_against_reference(run, 1, sq, sk, 8, 2, 128, torch.bfloat16, "cuda", lse_grad=True, seed=sq + sk,
-                            causal=causal, window_size=window, cu_seqlens=docs)
-
-    def chunked(q, k, v):
-        return ringlse.chunked_attention(q, k, v, causal=causal, window_size=window, cu_seqlens=docs,
-                                         chunk_size=384, return_lse=True, backend="fa4")
-
-    check_against_reference(chunked, 1, sq, sk, 8, 2, 64, torch.bfloat16, "cuda", lse_grad=False, seed=7,
-                            causal=causal, window_size=window, cu_seqlens=docs)
-
-
-@gpu_fa4
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_fa4_gpu_documents(causal):
-    bounds = [0, 300, 300, 777, 1000, 1024]
-
-    def run(q, k, v):
-        return ringlse.attention(q, k, v, causal=causal, cu_seqlens=bounds, return_lse=True, backend="fa4")
-
-    check_against_reference(run, 1, 1024, 1024, 8, 2, 128, torch.bfloat16, "cuda", lse_grad=True, seed=6,
-                            causal=causal, cu_seqlens=bounds)
-
-
-@gpu_fa4
-def test_fa4_gpu_accumulators():
-    b, sq, sk, h, hkv, d, q_start, k_start = 1, 1025, 640, 8, 2, 128, 700, 300
-    gen = torch.Generator().manual_seed(22)
-    q, k, v = (x.detach() for x in _qkv(b, sq, sk, h, hkv, d, torch.bfloat16, "cuda", gen))
-    out_acc = torch.randn(b, sq, h, d, generator=gen).cuda()
-    lse_acc = (torch.randn(b, h, sq, generator=gen) * 2).cuda()
-    state0 = (out_acc.clone().double(), lse_acc.clone().double())
-    FA4_BLOCK_OP.forward(q, k, v, softmax_scale=d**-0.5, causal=True, q_start=q_start, k_start=k_start,
-                         out_acc=out_acc, lse_acc=lse_acc)
-    blk = reference_attention(q.double(), k.double(), v.double(), causal=True, q_start=q_start, k_start=k_start)
-    ref_out, ref_lse = merge_attn_states([state0[0], blk[0]], [state0[1], blk[1]])
-    nb = naive_attention(q, k, v, causal=True, q_start=q_start, k_start=k_start)
-    base = merge_attn_states([state0[0], nb[0].double()], [state0[1], nb[1].double()])
-    assert_judged("out", out_acc, ref_out, base[0], torch.bfloat16)
-    assert_judged("lse", lse_acc, ref_lse, base[1], torch.bfloat16, is_lse=True)
-
-
-@gpu_fa4
-@pytest.mark.parametrize("q_start,causal,window", [(512, True, (-1, -1)), (1024, True, (-1, -1)), (0, False, (100, 50))],
-                         ids=["partial", "full", "window"])
-def test_fa4_gpu_mask_args_match_the_rule(q_start, causal, window):
-    """FA4's own windows (bare `flash_attn_func`) with `fa4_mask_args`, as the benchmark calls it."""
-    from flash_attn.cute import flash_attn_func
-
-    gen = torch.Generator().manual_seed(7)
-    sq = sk = 1024
-    q = torch.randn(1, sq, 8, 128, generator=gen).cuda().bfloat16()
-    k, v = (torch.randn(1, sk, 2, 128, generator=gen).cuda().bfloat16() for _ in "kv")
-    fa4_causal, ws = fa4_mask_args(sq, sk, q_start, 0, causal, window)
-    out, lse = flash_attn_func(q, k, v, causal=fa4_causal, window_size=ws, return_lse=True)
-    rule = dict(causal=causal, q_start=q_start, k_start=0, window_size=window)
-    ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double(), **rule)
-    b_out, b_lse = naive_attention(q, k, v, **rule)
-    assert_judged("out", out, ref_out, b_out, torch.bfloat16)
-    assert_judged("lse", lse, ref_lse, b_lse, torch.bfloat16, is_lse=True)
-
 
 
 @pytest.mark.parametrize("head_dim", [36, 40, 80, 112], ids=lambda d: f"d{d}")
