@@ -32,7 +32,7 @@ benchmark); note `python3 -m pip`: the device's bare `pip` belongs to another in
 that silently fails leaves `ringlse.kernels` missing:
     python3 -m pip install -q -e . --no-build-isolation --no-deps > $OUT/pip.log 2>&1 || ln -s ../kernels ringlse/kernels;
     export PYTHONPATH=$PWD PYTHONUNBUFFERED=1; python3 -c "import ringlse.kernels.softmax, ringlse.kernels.log_bmm";
-    timeout 100 python3 -m pytest tests/test_lse_toolkit.py -q -m gpu -p no:cacheprovider 2>&1 | tee $OUT/gpu_tests.log | tail -25;
+    timeout 100 python3 -m pytest tests/test_lse_toolkit_gpu.py -q -m gpu -p no:cacheprovider 2>&1 | tee $OUT/gpu_tests.log | tail -25;
     timeout 150 python3 benchmarks/lse_toolkit.py --out $OUT 2>&1 | tee $OUT/bench.log | tail -45
 """
 

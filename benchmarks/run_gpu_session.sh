@@ -20,7 +20,7 @@ step() {  # step SECONDS NAME COMMAND...: run with a limit, log everything, show
 }
 if [[ $what == tests || $what == all ]]; then
     step 200 gpu-tests python3 -m pytest -q -m gpu tests/test_ring_gpu.py tests/test_backends.py tests/test_merge_kernel.py -p no:cacheprovider
-    step 100 lse-gpu-tests python3 -m pytest tests/test_lse_toolkit.py -q -m gpu -p no:cacheprovider
+    step 100 lse-gpu-tests python3 -m pytest tests/test_lse_toolkit_gpu.py -q -m gpu -p no:cacheprovider
 fi
 if [[ $what == final || $what == all ]]; then
     for causal in yes no; do
@@ -31,7 +31,7 @@ if [[ $what == final || $what == all ]]; then
     step 260 ring-bench torchrun --nproc_per_node="$n" benchmarks/ring.py --out "$out" --budget-s 0.25
 fi
 if [[ $what == lse ]]; then  # the LSE toolkit alone (tests, then the benchmark)
-    step 320 lse-gpu-tests python3 -m pytest tests/test_lse_toolkit.py -q -m gpu -p no:cacheprovider
+    step 320 lse-gpu-tests python3 -m pytest tests/test_lse_toolkit_gpu.py -q -m gpu -p no:cacheprovider
     step 300 lse-bench python3 benchmarks/lse_toolkit.py --out "$out"
 fi
 if [[ $what == ring ]]; then  # the ring alone: tests (copy-engine and NCCL transports), verification, benchmark

@@ -23,3 +23,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return "cuda" if HAS_CUDA else "cpu"
+
+
+# the LSE toolkit's kernels and the launches they make (tests/test_lse_*.py)
+@pytest.fixture
+def kernels():
+    from ringlse.kernels import softmax as ks
+
+    return ks
+
+
+@pytest.fixture
+def launches():
+    """The launches the softmax launchers make during the test (`launch.recorded_launches`)."""
+    from ringlse.kernels.launch import recorded_launches
+
+    with recorded_launches() as seen:
+        yield seen
