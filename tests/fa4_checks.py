@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 import ringlse
+from ringlse.merge import merge_attn_states
 from ringlse.reference import reference_attention
 from ringlse.testing import assert_judged, naive_attention
 
@@ -70,3 +71,14 @@ def _block(op, causal, q_start, k_start, scale=None):
                                        backend=op)
 
     return run
+
+
+def judge_merged_block(out_acc, lse_acc, state0, q, k, v, q_start, k_start, dtype):
+    """A causal block at offsets merged into the running state `state0` (float64 copies of the
+    accumulators before the call): `out_acc`/`lse_acc` against the float64 merge, by CONVENTIONS.md §7."""
+    blk = reference_attention(q.double(), k.double(), v.double(), causal=True, q_start=q_start, k_start=k_start)
+    ref_out, ref_lse = merge_attn_states([state0[0], blk[0]], [state0[1], blk[1]])
+    nb = naive_attention(q, k, v, causal=True, q_start=q_start, k_start=k_start)
+    base = merge_attn_states([state0[0], nb[0].double()], [state0[1], nb[1].double()])
+    assert_judged("out", out_acc, ref_out, base[0], dtype)
+    assert_judged("lse", lse_acc, ref_lse, base[1], dtype, is_lse=True)

@@ -36,10 +36,8 @@ from ringlse.blocks import fa4 as block_fa4
 from ringlse.blocks import flash as block_flash
 from ringlse.blocks.fa4 import FA4_BLOCK_OP, Band, fa4_causal_pieces, fa4_mask_args, split_causal_block_bottom_right
 from ringlse.blocks.fused import fused_block_parts
-from ringlse.merge import merge_attn_states
 from ringlse.reference import reference_attention
-from ringlse.testing import assert_judged, naive_attention
-from fa4_checks import _block, _qkv, check_against_reference
+from fa4_checks import _block, _qkv, check_against_reference, judge_merged_block
 
 F64 = torch.float64
 HALF = (torch.float16, torch.bfloat16)
@@ -439,12 +437,7 @@ def test_fa4_op_accumulators(fake_fa4):
                                out_acc=out_acc, lse_acc=lse_acc)
     assert res[0] is out_acc and res[1] is lse_acc
     assert torch.isnan(buf[:, :sq]).all() and torch.isnan(lbuf[:, :, :sq]).all(), "wrote outside the views"
-    blk = reference_attention(q.double(), k.double(), v.double(), causal=True, q_start=q_start, k_start=k_start)
-    ref_out, ref_lse = merge_attn_states([state0[0], blk[0]], [state0[1], blk[1]])
-    nb = naive_attention(q, k, v, causal=True, q_start=q_start, k_start=k_start)
-    base = merge_attn_states([state0[0], nb[0].double()], [state0[1], nb[1].double()])
-    assert_judged("out", out_acc, ref_out, base[0], torch.float16)
-    assert_judged("lse", lse_acc, ref_lse, base[1], torch.float16, is_lse=True)
+    judge_merged_block(out_acc, lse_acc, state0, q, k, v, q_start, k_start, torch.float16)
 
 
 DOC_BOUNDS = [[0, 30, 30, 77, 97], [0, 1, 50, 97]]

@@ -9,9 +9,8 @@ import torch
 
 import ringlse
 import ringlse.blocks as registry
-from fa4_checks import _block, _qkv, check_against_reference
+from fa4_checks import _block, _qkv, check_against_reference, judge_merged_block
 from ringlse.blocks.fa4 import FA4_BLOCK_OP, fa4_mask_args
-from ringlse.merge import merge_attn_states
 from ringlse.reference import reference_attention
 from ringlse.testing import assert_judged, naive_attention
 
@@ -113,12 +112,7 @@ def test_fa4_gpu_accumulators():
     state0 = (out_acc.clone().double(), lse_acc.clone().double())
     FA4_BLOCK_OP.forward(q, k, v, softmax_scale=d**-0.5, causal=True, q_start=q_start, k_start=k_start,
                          out_acc=out_acc, lse_acc=lse_acc)
-    blk = reference_attention(q.double(), k.double(), v.double(), causal=True, q_start=q_start, k_start=k_start)
-    ref_out, ref_lse = merge_attn_states([state0[0], blk[0]], [state0[1], blk[1]])
-    nb = naive_attention(q, k, v, causal=True, q_start=q_start, k_start=k_start)
-    base = merge_attn_states([state0[0], nb[0].double()], [state0[1], nb[1].double()])
-    assert_judged("out", out_acc, ref_out, base[0], torch.bfloat16)
-    assert_judged("lse", lse_acc, ref_lse, base[1], torch.bfloat16, is_lse=True)
+    judge_merged_block(out_acc, lse_acc, state0, q, k, v, q_start, k_start, torch.bfloat16)
 
 
 @gpu_fa4

@@ -9,17 +9,11 @@ import pytest
 import torch
 
 from ringlse.testing import assert_judged
-from lse_checks import KERNEL_DTYPES, LOG_BMM_CASES, judge_against, kernel_forward, log_bmm_ref, make_ab, make_x
+from lse_checks import (
+    INTERPRETER_WARNINGS, KERNEL_DTYPES, LOG_BMM_CASES, judge_against, kernel_forward, log_bmm_ref, make_ab, make_x,
+)
 
-F64 = torch.float64
-NEG_INF = float("-inf")
-
-
-pytestmark = [
-    # the interpreter evaluates both sides of guarded `where`s (e.g. -inf - -inf) in numpy
-    pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.runtime.interpreter"),
-]
+pytestmark = INTERPRETER_WARNINGS
 
 # ----------------------------------------------------------------------------------------------------
 # kernels/launch.py: Triton's launch without its binder (the fast path needs CUDA; its logic is tested

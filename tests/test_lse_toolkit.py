@@ -27,17 +27,12 @@ from hypothesis import strategies as st
 
 from ringlse import lse as lt
 from ringlse.testing import assert_judged
-from lse_checks import KERNEL_DTYPES, LOG_BMM_CASES, MODES, call_public, grad_from_y, judge_against, kernel_forward, log_bmm_ref, make_ab, make_x
+from lse_checks import (
+    F64, INTERPRETER_WARNINGS, KERNEL_DTYPES, LOG_BMM_CASES, MODES, NEG_INF, call_public, grad_from_y, judge_against,
+    kernel_forward, log_bmm_ref, make_ab, make_x,
+)
 
-F64 = torch.float64
-NEG_INF = float("-inf")
-
-
-pytestmark = [
-    # the interpreter evaluates both sides of guarded `where`s (e.g. -inf - -inf) in numpy
-    pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.runtime.interpreter"),
-]
+pytestmark = INTERPRETER_WARNINGS
 
 # ----------------------------------------------------------------------------------------------------
 # cheapest first: import and the PyTorch fallbacks

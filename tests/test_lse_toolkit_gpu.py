@@ -11,17 +11,12 @@ import torch
 
 from ringlse import lse as lt
 from ringlse.testing import assert_judged
-from lse_checks import MODES, call_public, judge_against, kernel_forward, log_bmm_ref, make_ab, make_x, softmax_math
+from lse_checks import (
+    F64, INTERPRETER_WARNINGS, MODES, call_public, judge_against, kernel_forward, log_bmm_ref, make_ab, make_x,
+    softmax_math,
+)
 
-F64 = torch.float64
-NEG_INF = float("-inf")
-
-
-pytestmark = [
-    # the interpreter evaluates both sides of guarded `where`s (e.g. -inf - -inf) in numpy
-    pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.runtime.interpreter"),
-]
+pytestmark = INTERPRETER_WARNINGS
 
 # ----------------------------------------------------------------------------------------------------
 # GPU: the public functions on CUDA
