@@ -46,6 +46,11 @@ from ringlse.kernels.attention_common import (
 from ringlse.kernels.host import cdiv
 from ringlse.kernels.merge_math import merge_finish, merge_fold, merge_shift
 
+try:  # the Hopper kernel is Gluon, which Triton before 3.5 does not have
+    from ringlse.kernels.attention_fwd_hopper import hopper_forward, hopper_forward_applies
+except ImportError:  # pragma: no cover - old Triton
+    hopper_forward = hopper_forward_applies = None
+
 # the launcher's tuning knobs live with the backward's in attention_common; benchmarks reach them here
 __all__ = ["FwdConfig", "attention_forward", "fwd_configs", "set_tuned_fwd_config"]
 
@@ -256,7 +261,8 @@ def _forward_impl(
     key_lo: torch.Tensor | None = None,
     key_hi: torch.Tensor | None = None,
 ) -> None:
-    """Launch the forward kernel writing (or merging into, with `accum`) `out`/`lse`. The caller has
+    """Launch the forward kernel writing (or merging into, with `accum`) `out`/`lse` (the Hopper kernel
+    where it applies, unless a `config` for this one is given). The caller has
     validated the arguments, made `softmax_scale >= 0` and `offset` a 32-bit `mask_offset`, and
     `sq, sk > 0`; with `key_lo`/`key_hi` (contiguous int32 `[sq]`), `causal` is False."""
     b, sq, h, d = q.shape
@@ -282,6 +288,11 @@ def _forward_impl(
 
     if config is not None:
         launch(config)
+        return
+    if not intervals and hopper_forward_applies is not None and hopper_forward_applies(q, k, v):
+        # sm_90, bf16/fp16, head dim 64/128: the Gluon kernel (TMA, warp-specialized WGMMA), 1.2-1.3x
+        # this one's speed (benchmarks/NOTES.md)
+        hopper_forward(q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, offset=offset, accum=accum)
         return
     key = (d, q.dtype, causal, accum, q.device.index, intervals)
     # interval masks take the causal configs (masked tiles at the edges, like a causal block)

@@ -1,0 +1,418 @@
+"""Hopper (sm_90) forward block attention in Gluon: TMA loads by a producer warp, WGMMA in two
+consumer warpgroups, the in-kernel merge into float32 accumulators kept.
+
+Same contract and numerics as `attention_fwd` (online softmax in base 2, rows that see no key come out
+`(0, -inf)`, the ring's running state folded in the epilogue), for the cases where it pays: bf16/fp16,
+head dims 64 and 128, dense or causal blocks. `attention_fwd`'s launcher routes here on sm_90 and keeps
+its own Triton kernel for everything else (and for the CPU interpreter, which does not run Gluon).
+
+Structure (FlashAttention-3's): one program owns `BLOCK_M = 128` query rows of one head, 8 compute warps
+(two warpgroups of 64 rows each) and one loader warp. The loader brings Q once and the K/V tiles through
+a ring of `STAGES` shared-memory slots, each guarded by a "ready" mbarrier (TMA bytes landed) and an
+"empty" one (the consumers are done reading). Consumers issue `S = Q K^T` from shared memory, do the
+online softmax in registers and issue `O += P V` with P straight from registers.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+
+@gluon.jit
+def _tile_range(m0, SK, OFFSET, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key tiles of the query tile at row `m0`: `[0, n_full)` unmasked, `[n_full, n_hi)` masked."""
+    n_even = (SK // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        n_hi = gl.maximum(gl.minimum(SK, m0 + BLOCK_M + OFFSET), 0)
+        first_sees = m0 + OFFSET + 1
+        n_full = gl.where(first_sees > 0, (first_sees // BLOCK_N) * BLOCK_N, 0)
+        n_full = gl.minimum(n_full, n_even)
+    else:
+        n_hi = SK
+        n_full = n_even
+    return n_full, n_hi
+
+
+@gluon.jit
+def _work_tile(t, num_m, BH, H, GROUP, SK, OFFSET, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Work tile `t`: `(off_b, off_h, off_hk, m0, n_full, n_tiles)`. The query tiles of a few heads are
+    consecutive, so the programs in flight read the same K/V (from L2). Causal blocks go longest first:
+    launched one program per tile, the hardware hands the short tiles out last; persistent programs
+    take tiles round-robin, longest first over groups of `LPT_HEADS` heads (a head at a time left the
+    programs' sums of work uneven: 537 against 559 TFLOP/s, hd 128, S 8K, H200)."""
+    LPT_HEADS: gl.constexpr = 8
+    if CAUSAL and PERSISTENT:
+        group = t // (num_m * LPT_HEADS)
+        heads = gl.minimum(BH - group * LPT_HEADS, LPT_HEADS)
+        r = t - group * num_m * LPT_HEADS
+        bh = group * LPT_HEADS + r % heads
+        pid_m = num_m - 1 - r // heads
+    else:
+        bh = t // num_m
+        pid_m = t % num_m
+        if CAUSAL:
+            pid_m = num_m - 1 - pid_m
+    off_h = bh % H
+    m0 = pid_m * BLOCK_M
+    n_full, n_hi = _tile_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
+    return bh // H, off_h, off_h // GROUP, m0, n_full, gl.cdiv(n_hi, BLOCK_N)
+
+
+@gluon.jit
+def _load_tile(descs, smem, bars, t, it, count, walk,
+               HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+               PERSISTENT: gl.constexpr):
+    """The loader's work tile `t` (the `count`-th of this program, its first K/V tile the `it`-th through
+    the ring): Q once the consumers are done with the previous tile's, then K and V tile by tile, a slot
+    reused once the consumers released it. Returns the ring position after it."""
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_smem, v_smem = smem
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    num_m, BH, H, GROUP, SQ, SK, OFFSET = walk
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    # Q in 64-row pieces, one per consumer (a 192-row tile is no TMA box: boxes are powers of two)
+    CONSUMERS: gl.constexpr = q_smem.type.shape[0]
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    off_b, off_h, off_hk, m0, n_full, n_tiles = _work_tile(t, num_m, BH, H, GROUP, SK, OFFSET, BLOCK_M, BLOCK_N,
+                                                           CAUSAL, PERSISTENT)
+    # a fresh mbarrier counts as having completed phase 1: the first waits on "empty" return at once
+    mbarrier.wait(q_empty, (count & 1) ^ 1)
+    mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
+    for c in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(q_desc, [off_b * SQ + m0 + c * ROWS, off_h * HEAD_D], q_ready,
+                                        q_smem.index(c))
+    for i in range(n_tiles):
+        s = (it + i) % STAGES
+        ph = (((it + i) // STAGES) & 1) ^ 1
+        row = off_b * SK + i * BLOCK_N
+        mbarrier.wait(k_empty.index(s), ph)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, off_hk * HEAD_D], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), ph)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, off_hk * HEAD_D], v_ready.index(s), v_smem.index(s))
+    return it + n_tiles
+
+
+@gluon.jit
+def _fwd_load(descs, smem, bars, walk,
+              HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+              PERSISTENT: gl.constexpr):
+    """The loader warp: its program's work tiles one after the other."""
+    if PERSISTENT:
+        num_m, BH, H, GROUP, SQ, SK, OFFSET = walk
+        it = 0
+        count = 0
+        for t in range(gl.program_id(0), num_m * BH, gl.num_programs(0)):
+            it = _load_tile(descs, smem, bars, t, it, count, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, PERSISTENT)
+            count += 1
+    else:
+        _load_tile(descs, smem, bars, gl.program_id(0), 0, 0, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, PERSISTENT)
+
+
+@gluon.jit
+def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, n_full, SK, OFFSET, qk_scale, CAUSAL: gl.constexpr):
+    """One key tile's online-softmax step in base 2: `(p, m_new, l_new, alpha)`."""
+    if start_n >= n_full:
+        offs_n = start_n + offs_n0
+        visible = offs_n[None, :] < SK
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
+        qk = gl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
+        # a row that has seen no key yet keeps max -inf: subtract 0 so exp2 never sees -inf - -inf
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(qk - m_sub[:, None])
+        alpha = gl.exp2(m_i - m_sub)
+    else:
+        # every key visible: m_new finite, and scale > 0 lets the scaling fuse into one FMA
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        p = gl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit
+def _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale,
+                  WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                  CAUSAL: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr):
+    """A consumer warpgroup's share of work tile `t` (the `count`-th of its program, its first K/V tile
+    the `it`-th through the ring): its 64 query rows (the `WG`-th slice) through every key tile, then
+    its own epilogue (the running state folded in with ACCUM). Returns the ring position after it."""
+    q_smem, k_smem, v_smem = smem
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls = strides
+    num_m, BH, H, GROUP, SQ, SK, OFFSET = walk
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = v_smem.dtype
+    q_rows = q_smem.index(WG)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    offs_n0 = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+    offs_d = gl.arange(0, HEAD_D, gl.SliceLayout(0, o_layout))
+    off_b, off_h, off_hk, m0, n_full, n_tiles = _work_tile(t, num_m, BH, H, GROUP, SK, OFFSET, BLOCK_M, BLOCK_N,
+                                                           CAUSAL, PERSISTENT)
+    r0 = m0 + WG * ROWS
+    offs_m = r0 + gl.arange(0, ROWS, row_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, row_layout)
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    mbarrier.wait(q_ready, count & 1)
+    if n_tiles > 0:
+        # FlashAttention-3's intra-warpgroup overlap: S of tile i is issued before P V of tile i-1, so
+        # the softmax of tile i runs while the tensor cores do P V of tile i-1 (600 against 577 TFLOP/s
+        # without, hd 128, S 8K, H200: benchmarks/NOTES.md)
+        s = it % STAGES
+        k_buf = k_smem.index(s)
+        mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
+        qk = warpgroup_mma(q_rows, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk, _, _ = warpgroup_mma_wait(0, deps=[qk, q_rows, k_buf])
+        mbarrier.arrive(k_empty.index(s), count=1)
+        p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, 0, n_full, SK, OFFSET, qk_scale,
+                                           CAUSAL)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for i in range(1, n_tiles):
+            s = (it + i) % STAGES
+            k_buf = k_smem.index(s)
+            mbarrier.wait(k_ready.index(s), ((it + i) // STAGES) & 1)
+            qk = warpgroup_mma(q_rows, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sp = (it + i - 1) % STAGES
+            v_buf = v_smem.index(sp)
+            mbarrier.wait(v_ready.index(sp), ((it + i - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+            qk, _, _ = warpgroup_mma_wait(1, deps=[qk, q_rows, k_buf])
+            mbarrier.arrive(k_empty.index(s), count=1)
+            p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, i * BLOCK_N, n_full, SK, OFFSET,
+                                               qk_scale, CAUSAL)
+            acc, _ = warpgroup_mma_wait(0, deps=[acc, v_buf])
+            mbarrier.arrive(v_empty.index(sp), count=1)
+            acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        # every S of this work tile is done: the loader may bring the next tile's Q
+        mbarrier.arrive(q_empty, count=1)
+        sp = (it + n_tiles - 1) % STAGES
+        v_buf = v_smem.index(sp)
+        mbarrier.wait(v_ready.index(sp), ((it + n_tiles - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        acc, _ = warpgroup_mma_wait(0, deps=[acc, v_buf])
+        mbarrier.arrive(v_empty.index(sp), count=1)
+    else:
+        mbarrier.arrive(q_empty, count=1)
+
+    m_o = gl.convert_layout(m_i, orow_layout)
+    l_o = gl.convert_layout(l_i, orow_layout)
+    offs_mo = r0 + gl.arange(0, ROWS, orow_layout)
+    m_ok = offs_mo < SQ
+    o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+              + offs_mo[:, None].to(gl.int64) * stride_os + offs_d[None, :])
+    lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + offs_mo * stride_ls
+    o_mask = m_ok[:, None] & (offs_d[None, :] < HEAD_D)
+    if ACCUM:
+        # fold the running state (lse in base e) in as one more online-softmax state
+        old2 = gl.load(lse_ptrs, mask=m_ok, other=float("-inf")) * 1.4426950408889634
+        o_old = gl.load(o_ptrs, mask=o_mask, other=0.0)
+        m_new = gl.maximum(m_o, old2)
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        a_new = gl.exp2(m_o - m_sub)
+        a_old = gl.exp2(old2 - m_sub)
+        acc = acc * a_new[:, None] + gl.where(a_old[:, None] > 0, o_old * a_old[:, None], 0.0)
+        l_o = l_o * a_new + a_old
+        m_o = m_new
+    # rows that saw nothing: (0, -inf), never 0/0
+    empty = l_o == 0.0
+    out = acc / gl.where(empty, 1.0, l_o)[:, None]
+    lse2 = gl.where(empty, float("-inf"), m_o + gl.log2(gl.where(empty, 1.0, l_o)))
+    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
+    gl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=m_ok)
+    return it + n_tiles
+
+
+@gluon.jit
+def _fwd_consume(smem, bars, Out, Lse, strides, walk, qk_scale,
+                 WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                 CAUSAL: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr):
+    """A consumer warpgroup: its program's work tiles one after the other."""
+    if PERSISTENT:
+        num_m, BH, H, GROUP, SQ, SK, OFFSET = walk
+        it = 0
+        count = 0
+        for t in range(gl.program_id(0), num_m * BH, gl.num_programs(0)):
+            it = _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale, WG, BLOCK_M, BLOCK_N,
+                               HEAD_D, CAUSAL, ACCUM, PERSISTENT)
+            count += 1
+    else:
+        _consume_tile(smem, bars, Out, Lse, strides, gl.program_id(0), 0, 0, walk, qk_scale, WG, BLOCK_M, BLOCK_N,
+                      HEAD_D, CAUSAL, ACCUM, PERSISTENT)
+
+
+@gluon.jit
+def _attn_fwd_hopper_kernel(
+    q_desc, k_desc, v_desc, Out, Lse,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+    B, H, GROUP, SQ, SK, OFFSET, qk_scale,
+    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    """Persistent: `min(#SMs, work tiles)` programs walk the `cdiv(SQ, BLOCK_M) * B * H` work tiles.
+    Descriptors over `[B * S, heads * HEAD_D]` views (Q's box 64 rows). `BLOCK_M / 64` consumer
+    warpgroups (the default partition and one or two workers, 4 warps each, which never wait for each
+    other) and a loader warp; `num_warps` must be 4."""
+    num_m = gl.cdiv(SQ, BLOCK_M)
+    dtype: gl.constexpr = q_desc.dtype
+    CONSUMERS: gl.constexpr = BLOCK_M // 64
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=CONSUMERS)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+
+    smem = (q_smem, k_smem, v_smem)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    strides = (stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls)
+    descs = (q_desc, k_desc, v_desc)
+    walk = (num_m, B * H, H, GROUP, SQ, SK, OFFSET)
+    # (tuples built by `+` do not reach the partitions: every argument list is written out)
+    if CONSUMERS == 2:
+        gl.warp_specialize((
+            (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
+                            ACCUM, PERSISTENT)),
+            (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
+                            ACCUM, PERSISTENT)),
+            (_fwd_load, (descs, smem, bars, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, PERSISTENT)),
+        ), [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.static_assert(CONSUMERS == 3)
+        gl.warp_specialize((
+            (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
+                            ACCUM, PERSISTENT)),
+            (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
+                            ACCUM, PERSISTENT)),
+            (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
+                            ACCUM, PERSISTENT)),
+            (_fwd_load, (descs, smem, bars, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, PERSISTENT)),
+        ), [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+
+
+# ---------------------------------------------------------------------------------------------------
+# launcher
+
+HEAD_DIMS = (64, 128)
+BLOCK_N = 128  # 64-key tiles (3 stages) ran at 0.84-0.90x the speed of 128 (H200, benchmarks/NOTES.md)
+STAGES = 2  # 3 stages measured the same as 2 (within 1%) with more shared memory
+
+
+@dataclass(frozen=True)
+class HopperConfig:
+    block_m: int  # 128 (two consumer warpgroups) or 192 (three)
+    persistent: bool  # one program per SM walking the work tiles, or one program per work tile
+
+
+# (head_dim, causal) -> config, the fastest of the candidates timed on H200 (benchmarks/NOTES.md):
+# three consumers need head dim 64's smaller registers; persistent programs lost causal hd 128
+# (515 against 554 TFLOP/s at S 8K: the static round-robin leaves uneven sums of work)
+CONFIGS = {
+    (64, False): HopperConfig(192, True),
+    (64, True): HopperConfig(192, True),
+    (128, False): HopperConfig(128, True),
+    (128, True): HopperConfig(128, False),
+}
+
+
+def _gluon_supported() -> bool:
+    """Triton 3.6's Gluon (warp_specialize's signature changed before it)."""
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 6)
+
+
+def _rows_view(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """Shape and strides of `[b, s, heads, d]` seen as a `[b * s, heads * d]` matrix (what the TMA
+    descriptors index), or None when the strides do not allow it."""
+    b, s, nh, d = t.shape
+    if t.stride(3) != 1 or t.stride(2) != d or (b > 1 and t.stride(0) != s * t.stride(1)):
+        return None
+    return [b * s, nh * d], [t.stride(1), 1]
+
+
+def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `hopper_forward` takes these inputs: a CUDA sm_90 device, bf16/fp16, head dim 64 or 128,
+    and `[b, s, heads, d]` strides that TMA can index as rows (16-byte aligned)."""
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in HEAD_DIMS:
+        return False
+    if not _gluon_supported():
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    for t in (q, k, v):
+        view = _rows_view(t)
+        if view is None or t.data_ptr() % 16 or (view[1][0] * t.element_size()) % 16:
+            return False
+    return True
+
+
+def hopper_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
+    softmax_scale: float, causal: bool, offset: int, accum: bool, config: HopperConfig | None = None,
+) -> None:
+    """Launch the Hopper forward, writing (or merging into, with `accum`) `out`/`lse`. The caller has
+    checked `hopper_forward_applies`, validated the arguments, made `softmax_scale >= 0` and `offset` a
+    32-bit mask offset, and `sq, sk > 0`. `config` (benchmarks only) replaces the table's."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    cfg = CONFIGS[(d, causal)] if config is None else config
+    block_m, block_n, persistent = cfg.block_m, BLOCK_N, cfg.persistent
+    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    descs = []
+    for t, rows in ((q, 64), (k, block_n), (v, block_n)):
+        shape, strides = _rows_view(t)
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
+        descs.append(TensorDescriptor(t, shape, strides, [rows, d], layout))
+    consumers = block_m // 64
+    # 2 consumers: 12 warps (the loader's warpgroup padded) x 168 registers = 240 per consumer thread, 24 for
+    # the loader; 3 consumers: 16 warps x 128, 160 per worker consumer
+    maxnreg, regs = (168, 240) if consumers == 2 else (128, 160)
+    total = triton.cdiv(sq, block_m) * b * h
+    grid = (min(total, _sm_count(q.device.index)) if persistent else total,)
+    _attn_fwd_hopper_kernel[grid](
+        *descs, out, lse,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+        b, h, h // hkv, sq, sk, offset, softmax_scale * 1.4426950408889634,
+        HEAD_D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, CAUSAL=causal, ACCUM=accum,
+        PERSISTENT=persistent, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg,
+    )
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
