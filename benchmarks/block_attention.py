@@ -35,13 +35,13 @@ PEER_FIGURES_H200 = {
     "cudnn_bwd": (535, 525),
 }
 
-# (batch, heads, seqlen, head_dim)
+# (batch, heads, seqlen, head_dim, kv_heads)
 FULL_SHAPES = [
-    (b, h, s, d)
+    (b, h, s, d, h)
     for d in (128, 64)
     for (b, h, s) in ((2, 16, 4096), (2, 16, 8192), (1, 32, 16384), (1, 32, 32768))
-]
-QUICK_SHAPES = [(2, 16, 8192, 128), (1, 32, 16384, 128), (2, 16, 8192, 64)]
+] + [(1, 32, 16384, 128, 8), (1, 32, 16384, 64, 8)]  # GQA 32/8: the issue's per-FLOP parity rows
+QUICK_SHAPES = [(2, 16, 8192, 128, 16), (1, 32, 16384, 128, 16), (2, 16, 8192, 64, 16), (1, 32, 16384, 128, 8)]
 SWEEP_SHAPES = [(2, 16, 8192, 128), (2, 16, 8192, 64)]
 
 
@@ -137,7 +137,7 @@ def _compile_calls(shapes, sweep: bool, device: str):
     from ringlse.kernels import attention_fwd as F
 
     calls = []
-    for (b, h, s, d) in shapes:
+    for (b, h, s, d, *_) in shapes:
         q = torch.empty(b, s, h, d, dtype=torch.bfloat16, device=device)
         lse = torch.empty(b, h, s, dtype=torch.float32, device=device)
         acc = torch.empty(b, s, h, d, dtype=torch.float32, device=device)
@@ -222,10 +222,12 @@ def _bench(fn, n_sets: int) -> float:
     return triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
 
 
-def _make_sets(b, h, s, d, dtype, n_sets, device="cuda"):
+def _make_sets(b, h, s, d, dtype, n_sets, device="cuda", hkv=None):
     sets = []
+    hkv = h if hkv is None else hkv
     for _ in range(n_sets):
-        q, k, v, do = (torch.randn(b, s, h, d, dtype=dtype, device=device) for _ in range(4))
+        q, do = (torch.randn(b, s, h, d, dtype=dtype, device=device) for _ in range(2))
+        k, v = (torch.randn(b, s, hkv, d, dtype=dtype, device=device) for _ in range(2))
         sets.append((q, k, v, do))
     return sets
 
@@ -236,13 +238,14 @@ def _n_sets(b, h, s, d, dtype) -> int:
     return 1 if one > 2 * l2 else 3
 
 
-def time_ours(b, h, s, d, causal, dtype=torch.bfloat16, fwd_cfg=None, bwd_cfg=None, which=("fwd", "bwd")):
+def time_ours(b, h, s, d, causal, dtype=torch.bfloat16, fwd_cfg=None, bwd_cfg=None, which=("fwd", "bwd"),
+              hkv=None):
     """Median ms of our forward and backward (delta + dk/dv + dq)."""
     from ringlse.kernels import attention_bwd as B
     from ringlse.kernels import attention_fwd as F
 
     n = _n_sets(b, h, s, d, dtype)
-    sets = _make_sets(b, h, s, d, dtype, n)
+    sets = _make_sets(b, h, s, d, dtype, n, hkv=hkv)
     scale = d**-0.5
     res = {}
     outs = [F.attention_forward(q, k, v, softmax_scale=scale, causal=causal, q_start=0, k_start=0) for q, k, v, _ in sets]
@@ -264,7 +267,8 @@ def time_ours(b, h, s, d, causal, dtype=torch.bfloat16, fwd_cfg=None, bwd_cfg=No
             out_acc=acc, lse_acc=lacc), n)
     if "bwd" in which or "dkdv" in which or "dq" in which:
         dq = torch.zeros(b, s, h, d, dtype=torch.float32, device="cuda")
-        dk, dv = torch.zeros_like(dq), torch.zeros_like(dq)
+        dk = torch.zeros(sets[0][1].shape, dtype=torch.float32, device="cuda")
+        dv = torch.zeros_like(dk)
 
         def bwd(i, only=None):
             q, k, v, do = sets[i]
@@ -330,24 +334,45 @@ def time_kernel_split(b, h, s, d, causal, bwd_cfg, dtype=torch.bfloat16):
     return out
 
 
-def time_sdpa(b, h, s, d, causal, backend, dtype=torch.bfloat16):
+def time_sdpa(b, h, s, d, causal, backend, dtype=torch.bfloat16, hkv=None):
     """Median ms of SDPA forward and backward with one backend (inputs in our [b, s, h, d] layout,
-    passed as transposed views, which both FA2 and cuDNN take without copies)."""
+    passed as transposed views, which both FA2 and cuDNN take without copies; GQA as `enable_gqa`)."""
     import torch.nn.functional as Fn
     from torch.nn.attention import sdpa_kernel
 
     n = _n_sets(b, h, s, d, dtype)
     sets = [tuple(t.transpose(1, 2).requires_grad_() for t in ts[:3]) + (ts[3].transpose(1, 2),)
-            for ts in _make_sets(b, h, s, d, dtype, n)]
+            for ts in _make_sets(b, h, s, d, dtype, n, hkv=hkv)]
+    gqa = {"enable_gqa": True} if hkv not in (None, h) else {}
     res = {}
     with sdpa_kernel(backend):
-        res["fwd"] = _bench(lambda i: Fn.scaled_dot_product_attention(*sets[i][:3], is_causal=causal), n)
-        outs = [Fn.scaled_dot_product_attention(*st[:3], is_causal=causal) for st in sets]
+        res["fwd"] = _bench(lambda i: Fn.scaled_dot_product_attention(*sets[i][:3], is_causal=causal, **gqa), n)
+        outs = [Fn.scaled_dot_product_attention(*st[:3], is_causal=causal, **gqa) for st in sets]
 
         def bwd(i):
             torch.autograd.grad(outs[i], sets[i][:3], sets[i][3], retain_graph=True)
 
         res["bwd"] = _bench(bwd, n)
+    return res
+
+
+def time_fa4(b, h, s, d, causal, dtype=torch.bfloat16, hkv=None):
+    """Median ms of bare FlashAttention-4 (`flash_attn.cute.flash_attn_func`, our [b, s, h, d] layout)
+    forward and backward, or None when it is not installed."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+    n = _n_sets(b, h, s, d, dtype)
+    sets = [tuple(t.requires_grad_() for t in ts[:3]) + (ts[3],) for ts in _make_sets(b, h, s, d, dtype, n, hkv=hkv)]
+
+    def fwd(i):
+        out = flash_attn_func(*sets[i][:3], causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+
+    res = {"fwd": _bench(fwd, n)}
+    outs = [fwd(i) for i in range(n)]
+    res["bwd"] = _bench(lambda i: torch.autograd.grad(outs[i], sets[i][:3], sets[i][3], retain_graph=True), n)
     return res
 
 
@@ -407,6 +432,23 @@ def apply_sweep_winners(rows) -> None:
             print(f"  d{d} causal={causal:d} bwd {cfg}")
 
 
+def _hopper_configs() -> dict:
+    try:
+        from ringlse.kernels.attention_fwd_hopper import CONFIGS
+    except ImportError:
+        return {}
+    return CONFIGS
+
+
+def _forward_kernel_name(d: int, hkv: int) -> str:
+    """Which forward kernel `attention_forward` runs for bf16 inputs of this head dim on this GPU."""
+    from ringlse.kernels import attention_fwd as F
+
+    probe = torch.empty(1, 128, hkv, d, dtype=torch.bfloat16, device="cuda")
+    ok = F.hopper_forward_applies is not None and F.hopper_forward_applies(probe, probe, probe)
+    return "gluon-hopper" if ok else "triton"
+
+
 def run_bench(args) -> None:
     import triton
     from torch.nn.attention import SDPBackend
@@ -414,33 +456,39 @@ def run_bench(args) -> None:
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     gpu = torch.cuda.get_device_name(0)
     rows = []
-    for (b, h, s, d) in shapes:
+    for (b, h, s, d, hkv) in shapes:
         for causal in (False, True):
             fl = attn_flops(b, h, s, s, d, causal)
-            ours = time_ours(b, h, s, d, causal, which=("fwd", "merge", "bwd"))
-            fa2 = time_sdpa(b, h, s, d, causal, SDPBackend.FLASH_ATTENTION)
+            ours = time_ours(b, h, s, d, causal, which=("fwd", "merge", "bwd"), hkv=hkv)
+            peers = {"sdpa_flash": time_sdpa(b, h, s, d, causal, SDPBackend.FLASH_ATTENTION, hkv=hkv)}
             try:
-                cudnn = time_sdpa(b, h, s, d, causal, SDPBackend.CUDNN_ATTENTION)
+                peers["cudnn"] = time_sdpa(b, h, s, d, causal, SDPBackend.CUDNN_ATTENTION, hkv=hkv)
             except Exception as err:  # cuDNN SDPA may refuse a shape; record that
-                print(f"cudnn failed for {(b, h, s, d, causal)}: {err}")
-                cudnn = {"fwd": float("nan"), "bwd": float("nan")}
-            row = dict(batch=b, heads=h, seqlen=s, head_dim=d, causal=causal, dtype="bfloat16",
-                       fwd_flop=fl, bwd_flop=2.5 * fl)
-            for name, r in (("ours", ours), ("sdpa_flash", fa2), ("cudnn", cudnn)):
+                print(f"cudnn failed for {(b, h, s, d, hkv, causal)}: {err}")
+                peers["cudnn"] = {"fwd": float("nan"), "bwd": float("nan")}
+            fa4 = time_fa4(b, h, s, d, causal, hkv=hkv)
+            if fa4 is not None:
+                peers["fa4"] = fa4
+            row = dict(batch=b, heads=h, kv_heads=hkv, seqlen=s, head_dim=d, causal=causal, dtype="bfloat16",
+                       fwd_flop=fl, bwd_flop=2.5 * fl, ours_fwd_kernel=_forward_kernel_name(d, hkv))
+            for name, r in (("ours", ours), *peers.items()):
                 row[f"{name}_fwd_ms"] = r["fwd"]
                 row[f"{name}_bwd_ms"] = r["bwd"]
                 row[f"{name}_fwd_tflops"] = fl / r["fwd"] / 1e9
                 row[f"{name}_bwd_tflops"] = 2.5 * fl / r["bwd"] / 1e9
             row["ours_fwd_merge_ms"] = ours["fwd_merge"]
             row["ours_fwd_merge_tflops"] = fl / ours["fwd_merge"] / 1e9
-            for peer in ("sdpa_flash", "cudnn"):
+            row["merge_fwd_time_ratio"] = ours["fwd_merge"] / ours["fwd"]
+            for peer in peers:
                 row[f"fwd_ratio_vs_{peer}"] = row[f"{peer}_fwd_ms"] / row["ours_fwd_ms"]
                 row[f"bwd_ratio_vs_{peer}"] = row[f"{peer}_bwd_ms"] / row["ours_bwd_ms"]
             rows.append(row)
-            print(f"b{b} h{h} s{s:>5} d{d:>3} {'causal' if causal else 'full  '} | fwd ours {row['ours_fwd_tflops']:4.0f} "
-                  f"(+merge {row['ours_fwd_merge_tflops']:4.0f}) fa2 {row['sdpa_flash_fwd_tflops']:4.0f} cudnn "
-                  f"{row['cudnn_fwd_tflops']:4.0f} | bwd ours {row['ours_bwd_tflops']:4.0f} fa2 "
-                  f"{row['sdpa_flash_bwd_tflops']:4.0f} cudnn {row['cudnn_bwd_tflops']:4.0f} TFLOP/s", flush=True)
+            fa4_txt = (f" fa4 {row['fa4_fwd_tflops']:4.0f}/{row['fa4_bwd_tflops']:4.0f}" if "fa4" in peers else "")
+            print(f"b{b} h{h}/{hkv} s{s:>5} d{d:>3} {'causal' if causal else 'full  '} | fwd ours "
+                  f"{row['ours_fwd_tflops']:4.0f} (+merge {row['ours_fwd_merge_tflops']:4.0f}) fa2 "
+                  f"{row['sdpa_flash_fwd_tflops']:4.0f} cudnn {row['cudnn_fwd_tflops']:4.0f} | bwd ours "
+                  f"{row['ours_bwd_tflops']:4.0f} fa2 {row['sdpa_flash_bwd_tflops']:4.0f} cudnn "
+                  f"{row['cudnn_bwd_tflops']:4.0f} TFLOP/s{fa4_txt}", flush=True)
     from ringlse.kernels import attention_bwd as B
     from ringlse.kernels import attention_fwd as F
 
@@ -454,6 +502,7 @@ def run_bench(args) -> None:
         configs={str(d): dict(fwd={str(c): asdict(F.fwd_configs(d, torch.bfloat16, c)[0]) for c in (False, True)},
                               bwd={str(c): asdict(B.bwd_configs(d, torch.bfloat16, c)[0]) for c in (False, True)})
                  for d in sorted({s[3] for s in shapes})},
+        hopper_configs={f"d{d} {'causal' if c else 'full'}": asdict(cfg) for (d, c), cfg in _hopper_configs().items()},
         peer_figures_design_s9=PEER_FIGURES_H200,
         rows=rows,
     )
@@ -463,12 +512,15 @@ def run_bench(args) -> None:
     path = os.path.join(out_dir, f"block_attention-{tag}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print("\nratios (ours / peer, higher is better)")
-    print(f"{'shape':<28}{'fwd/FA2':>9}{'bwd/FA2':>9}{'fwd/cuDNN':>11}{'bwd/cuDNN':>11}")
+    print("\nratios (peer time / ours, higher is better)")
+    print(f"{'shape':<30}{'fwd/FA2':>9}{'bwd/FA2':>9}{'fwd/cuDNN':>11}{'bwd/cuDNN':>11}{'fwd/FA4':>9}{'bwd/FA4':>9}"
+          f"{'merge':>7}")
     for r in rows:
-        name = f"b{r['batch']} h{r['heads']} s{r['seqlen']} d{r['head_dim']} {'c' if r['causal'] else 'n'}"
-        print(f"{name:<28}{r['fwd_ratio_vs_sdpa_flash']:>9.2f}{r['bwd_ratio_vs_sdpa_flash']:>9.2f}"
-              f"{r['fwd_ratio_vs_cudnn']:>11.2f}{r['bwd_ratio_vs_cudnn']:>11.2f}")
+        name = (f"b{r['batch']} h{r['heads']}/{r['kv_heads']} s{r['seqlen']} d{r['head_dim']} "
+                f"{'c' if r['causal'] else 'n'}")
+        fa4 = f"{r['fwd_ratio_vs_fa4']:>9.2f}{r['bwd_ratio_vs_fa4']:>9.2f}" if "fwd_ratio_vs_fa4" in r else " " * 18
+        print(f"{name:<30}{r['fwd_ratio_vs_sdpa_flash']:>9.2f}{r['bwd_ratio_vs_sdpa_flash']:>9.2f}"
+              f"{r['fwd_ratio_vs_cudnn']:>11.2f}{r['bwd_ratio_vs_cudnn']:>11.2f}{fa4}{r['merge_fwd_time_ratio']:>7.3f}")
     print(f"wrote {path}")
 
 

@@ -28,17 +28,26 @@ def _fmt(x, spec=".2f") -> str:
 
 
 def block_attention(d: dict) -> list[str]:
+    has_fa4 = any("fa4_fwd_tflops" in r for r in d["rows"])
+    fa4_head = " FA4 fwd | FA4 bwd |" if has_fa4 else ""
     lines = [f"**Block attention** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}; `{d['command']}`), "
-             "bf16, TFLOP/s (ratio ours / peer):", "",
-             "| B×H | S | d | causal | ours fwd | FA2 fwd | cuDNN fwd | ours bwd | FA2 bwd | cuDNN bwd |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "bf16, TFLOP/s (ratio peer time / ours); merge: time of the forward merging into float32 "
+             "accumulators over the plain forward's:", "",
+             f"| B×H/KV | S | d | causal | ours fwd | FA2 fwd | cuDNN fwd | ours bwd | FA2 bwd | cuDNN bwd |{fa4_head}"
+             " merge |",
+             "| --- " * (11 + 2 * has_fa4) + "|"]
     for r in d["rows"]:
+        fa4 = (f" {r['fa4_fwd_tflops']:.0f} ({r['fwd_ratio_vs_fa4']:.2f}×) | "
+               f"{r['fa4_bwd_tflops']:.0f} ({r['bwd_ratio_vs_fa4']:.2f}×) |" if "fa4_fwd_tflops" in r
+               else (" – | – |" if has_fa4 else ""))
         lines.append(
-            f"| {r['batch']}×{r['heads']} | {r['seqlen']} | {r['head_dim']} | {r['causal']} | "
-            f"{r['ours_fwd_tflops']:.0f} | {r['sdpa_flash_fwd_tflops']:.0f} ({r['fwd_ratio_vs_sdpa_flash']:.2f}×) | "
+            f"| {r['batch']}×{r['heads']}/{r.get('kv_heads', r['heads'])} | {r['seqlen']} | {r['head_dim']} | "
+            f"{r['causal']} | {r['ours_fwd_tflops']:.0f} | "
+            f"{r['sdpa_flash_fwd_tflops']:.0f} ({r['fwd_ratio_vs_sdpa_flash']:.2f}×) | "
             f"{r['cudnn_fwd_tflops']:.0f} ({r['fwd_ratio_vs_cudnn']:.2f}×) | {r['ours_bwd_tflops']:.0f} | "
             f"{r['sdpa_flash_bwd_tflops']:.0f} ({r['bwd_ratio_vs_sdpa_flash']:.2f}×) | "
-            f"{r['cudnn_bwd_tflops']:.0f} ({r['bwd_ratio_vs_cudnn']:.2f}×) |")
+            f"{r['cudnn_bwd_tflops']:.0f} ({r['bwd_ratio_vs_cudnn']:.2f}×) |{fa4} "
+            f"{_fmt(r.get('merge_fwd_time_ratio'), '.3f')} |")
     return lines
 
 
@@ -231,13 +240,22 @@ def headline_block_attention(path: Path, d: dict) -> list[list[str]]:
     rs = d["rows"]
     dims = "/".join(str(x) for x in sorted({r["head_dim"] for r in rs}))
     seqs = f"{_k(min(r['seqlen'] for r in rs))}–{_k(max(r['seqlen'] for r in rs))}"
-    what = f"Triton block attention (`triton` backend), TFLOP/s ratio, bf16, d {dims}, S {seqs}, one {d['gpu'].replace('NVIDIA ', '')}"
-    return [[what + ", forward",
-             f"{_range([r['fwd_ratio_vs_sdpa_flash'] for r in rs])} SDPA-flash (FA2); "
-             f"{_range([r['fwd_ratio_vs_cudnn'] for r in rs])} cuDNN", _src(path)],
-            [what + ", backward",
-             f"{_range([r['bwd_ratio_vs_sdpa_flash'] for r in rs])} SDPA-flash (FA2); "
-             f"{_range([r['bwd_ratio_vs_cudnn'] for r in rs])} cuDNN", _src(path)]]
+    kernels = sorted({r.get("ours_fwd_kernel", "triton") for r in rs})
+    on = ", Gluon Hopper kernels on sm_90" if "gluon-hopper" in kernels else ""
+    what = (f"Triton block attention (`triton` backend{on}), TFLOP/s ratio, bf16, d {dims}, S {seqs}, "
+            f"one {d['gpu'].replace('NVIDIA ', '')}")
+    long = [r for r in rs if r["seqlen"] >= 8192]
+    cells = []
+    for way in ("fwd", "bwd"):
+        text = (f"{_range([r[f'{way}_ratio_vs_sdpa_flash'] for r in rs])} SDPA-flash (FA2); "
+                f"{_range([r[f'{way}_ratio_vs_cudnn'] for r in rs])} cuDNN")
+        if long and len(long) < len(rs):
+            text += f" ({_range([r[f'{way}_ratio_vs_cudnn'] for r in long])} at S ≥ 8K)"
+        fa4 = [r[f"{way}_ratio_vs_fa4"] for r in rs if f"{way}_ratio_vs_fa4" in r]
+        if fa4:
+            text += f"; {_range(fa4)} FA4"
+        cells.append(text)
+    return [[what + ", forward", cells[0], _src(path)], [what + ", backward", cells[1], _src(path)]]
 
 
 def headline_masked_attention(path: Path, d: dict) -> list[list[str]]:

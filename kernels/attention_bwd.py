@@ -9,6 +9,8 @@ block), so a block's gradients are its exact share of the full attention's gradi
 Both split their loops like the forward: tiles entirely inside the causal boundary run unmasked; only
 the boundary tiles mask; invisible tiles are never visited. Rows whose lse is -inf (they see no key
 anywhere) get P = 0 by treating their lse as +inf. Results are added into float32 accumulators.
+On sm_90 GPUs, bf16/fp16 blocks of head dim 64 or 128 without interval masks take the Gluon dk/dv kernel
+of `attention_bwd_hopper` (same contract and numerics); dq stays this module's kernel.
 Interval masks: the dq kernel walks `key_lo`/`key_hi` as the forward does, the dk/dv kernel the inverse
 intervals `query_lo`/`query_hi` (the queries that see each key) the same way; rows (keys) that see
 nothing ride along through the unmasked tiles and their gradients are set to exactly 0 at the end.
@@ -39,6 +41,10 @@ from ringlse.kernels.attention_common import (
     query_tile_key_range,
     set_tuned_bwd_config,
 )
+try:  # the Hopper dk/dv kernel is Gluon, which Triton before 3.5 does not have
+    from ringlse.kernels.attention_bwd_hopper import hopper_dkdv, hopper_dkdv_applies
+except ImportError:  # pragma: no cover - old Triton
+    hopper_dkdv = hopper_dkdv_applies = None
 from ringlse.kernels.host import cdiv, interpreting
 
 # the launchers' tuning knobs live with the forward's in attention_common; benchmarks reach them here
@@ -411,7 +417,12 @@ def _backward_impl(
     key = (d, q.dtype, causal, q.device.index, intervals)
     # interval masks take the causal configs (masked tiles at the edges, like a causal block)
     configs = bwd_configs(d, q.dtype, causal or intervals)
-    launch_with_fallback(DKDV_CHOSEN, key, configs, launch_dkdv)
+    if not intervals and hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, dout):
+        # sm_90, bf16/fp16, head dim 64/128: the Gluon dk/dv kernel (TMA, warp-specialized WGMMA)
+        hopper_dkdv(dout, q, k, v, lse, delta, dk_acc, dv_acc, qk_scale=qk_scale, dk_scale=dk_scale,
+                    causal=causal, offset=offset)
+    else:
+        launch_with_fallback(DKDV_CHOSEN, key, configs, launch_dkdv)
     launch_with_fallback(DQ_CHOSEN, key, configs, launch_dq)
 
 

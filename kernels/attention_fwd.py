@@ -15,6 +15,10 @@ unmasked, the others (at both ends, in one loop that jumps over the unmasked one
 that see no key of the block ride along through the unmasked tiles and are reset to the empty state at
 the end. Behind the `INTERVALS` constexpr: without intervals the kernel compiles as before.
 
+On sm_90 GPUs, bf16/fp16 blocks of head dim 64 or 128 without interval masks go to the Gluon kernel of
+`attention_fwd_hopper` instead (same contract and numerics, TMA and warp-specialized WGMMA); this kernel
+serves everything else and the CPU interpreter.
+
 Precision: bf16/fp16 operands with float32 accumulation. float32 inputs use 3-pass TF32 tensor-core
 dots (`input_precision="tf32x3"`): plain TF32 missed CONVENTIONS.md §7's float32 bound (1e-3 * max|ref|).
 """

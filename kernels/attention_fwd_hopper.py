@@ -356,7 +356,7 @@ def _gluon_supported() -> bool:
     return (major, minor) >= (3, 6)
 
 
-def _rows_view(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
+def rows_view(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
     """Shape and strides of `[b, s, heads, d]` seen as a `[b * s, heads * d]` matrix (what the TMA
     descriptors index), or None when the strides do not allow it."""
     b, s, nh, d = t.shape
@@ -368,14 +368,23 @@ def _rows_view(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
 def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether `hopper_forward` takes these inputs: a CUDA sm_90 device, bf16/fp16, head dim 64 or 128,
     and `[b, s, heads, d]` strides that TMA can index as rows (16-byte aligned)."""
+    return tma_rows_apply(q, k, v)
+
+
+def tma_rows_apply(*tensors: torch.Tensor) -> bool:
+    """Whether the Hopper kernels take these `[b, s, heads, d]` tensors (the first one's dtype): a CUDA
+    sm_90 device, bf16/fp16, head dim 64 or 128, strides that TMA can index as rows (16-byte aligned)."""
+    q = tensors[0]
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in HEAD_DIMS:
         return False
     if not _gluon_supported():
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
-    for t in (q, k, v):
-        view = _rows_view(t)
+    for t in tensors:
+        if t.dtype != q.dtype:
+            return False
+        view = rows_view(t)
         if view is None or t.data_ptr() % 16 or (view[1][0] * t.element_size()) % 16:
             return False
     return True
@@ -395,7 +404,7 @@ def hopper_forward(
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     descs = []
     for t, rows in ((q, 64), (k, block_n), (v, block_n)):
-        shape, strides = _rows_view(t)
+        shape, strides = rows_view(t)
         layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
         descs.append(TensorDescriptor(t, shape, strides, [rows, d], layout))
     consumers = block_m // 64
@@ -403,7 +412,7 @@ def hopper_forward(
     # the loader; 3 consumers: 16 warps x 128, 160 per worker consumer
     maxnreg, regs = (168, 240) if consumers == 2 else (128, 160)
     total = triton.cdiv(sq, block_m) * b * h
-    grid = (min(total, _sm_count(q.device.index)) if persistent else total,)
+    grid = (min(total, sm_count(q.device.index)) if persistent else total,)
     _attn_fwd_hopper_kernel[grid](
         *descs, out, lse,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
@@ -414,5 +423,5 @@ def hopper_forward(
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

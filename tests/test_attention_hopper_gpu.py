@@ -1,5 +1,5 @@
-"""The Gluon Hopper forward (`ringlse.kernels.attention_fwd_hopper`) on an sm_90 GPU, judged by
-CONVENTIONS.md §7 against the float64 reference, next to the Triton kernel it replaces there.
+"""The Gluon Hopper kernels (`ringlse.kernels.attention_fwd_hopper`, `attention_bwd_hopper`) on an sm_90 GPU,
+judged by CONVENTIONS.md §7 against the float64 reference, next to the Triton kernels they replace there.
 
 `attention_forward` routes bf16/fp16 head dims 64/128 to it on sm_90, so the GPU tests of
 test_triton_attention.py run it too; these add every table config, strided and GQA inputs, the
@@ -147,3 +147,61 @@ def test_applies_only_where_built_for():
     assert not hopper.hopper_forward_applies(q.float(), q.float(), q.float())
     r = torch.empty(1, 128, 4, 96, device="cuda", dtype=torch.bfloat16)
     assert not hopper.hopper_forward_applies(r, r, r)
+
+
+# ---------------------------------------------------------------------------------------------------
+# backward: the Gluon dk/dv kernel (dq stays the Triton kernel's)
+
+bwd_hopper = pytest.importorskip("ringlse.kernels.attention_bwd_hopper")
+
+
+def _grads(fn, q, k, v, go, acc_dtype):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o, _ = fn(q, k, v)
+    (o.to(acc_dtype) * go.to(acc_dtype)).sum().backward()
+    return q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("shape,causal,offsets", CASES)
+def test_backward_gradients(shape, causal, offsets):
+    import ringlse
+
+    b, sq, sk, h, hkv, d = shape
+    q, k, v = _draw(b, sq, sk, h, hkv, d, torch.bfloat16, seed=sq + 1)
+    assert bwd_hopper.hopper_dkdv_applies(q, k, v, q)
+    go = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
+    kw = dict(causal=causal, q_start=offsets[0], k_start=offsets[1])
+    ours = _grads(lambda a, b_, c: ringlse.block_attention(a, b_, c, backend="triton", **kw), q, k, v, go,
+                  torch.float32)
+    ref = _grads(lambda a, b_, c: reference_attention(a, b_, c, **kw), q.double(), k.double(), v.double(), go,
+                 torch.float64)
+    base = _grads(lambda a, b_, c: naive_attention(a, b_, c, **kw), q, k, v, go, torch.bfloat16)
+    for name, o, r, bl in zip(("dq", "dk", "dv"), ours, ref, base):
+        assert not torch.isnan(o).any(), f"{name} has NaN"
+        assert_judged(name, o, r, bl, torch.bfloat16)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dkdv_adds_into_views(causal):
+    # dk/dv accumulators: views of larger NaN-poisoned buffers holding earlier gradients
+    from ringlse.kernels.attention_bwd import attention_backward, attention_delta
+
+    q, k, v = _draw(2, 700, 1111, 8, 2, 128, torch.bfloat16, seed=25)
+    do = torch.randn_like(q)
+    out, lse = fwd_mod.attention_forward(q, k, v, softmax_scale=0.1, causal=causal, q_start=500, k_start=0)
+    delta = attention_delta(do, out)
+    grads = []
+    for start in (None, 3.0):
+        buf = torch.full((2, 1111 + 4, 2, 128), float("nan"), device="cuda")
+        bufk, bufv = buf.clone(), buf.clone()
+        dk, dv = bufk[:, 4:], bufv[:, 4:]
+        dk.fill_(0.0 if start is None else start)
+        dv.fill_(0.0 if start is None else start)
+        dq = torch.zeros(q.shape, device="cuda")
+        attention_backward(do, q, k, v, out, lse, delta, softmax_scale=0.1, causal=causal, q_start=500, k_start=0,
+                           dq_acc=dq, dk_acc=dk, dv_acc=dv)
+        assert torch.isnan(bufk[:, :4]).all() and torch.isnan(bufv[:, :4]).all(), "wrote outside the view"
+        grads.append((dk.clone(), dv.clone()))
+    # adding into 3.0 gives 3.0 + the gradient added into 0.0
+    for g0, g3 in zip(*grads):
+        torch.testing.assert_close(g3 - 3.0, g0, rtol=0, atol=1e-5)
