@@ -15,7 +15,7 @@ unmasked, the others (at both ends, in one loop that jumps over the unmasked one
 that see no key of the block ride along through the unmasked tiles and are reset to the empty state at
 the end. Behind the `INTERVALS` constexpr: without intervals the kernel compiles as before.
 
-On sm_90 GPUs, bf16/fp16 blocks of head dim 64 or 128 without interval masks go to the Gluon kernel of
+On sm_90 GPUs, bf16/fp16 blocks of head dim 64 or 128 (interval masks included) go to the Gluon kernel of
 `attention_fwd_hopper` instead (same contract and numerics, TMA and warp-specialized WGMMA); this kernel
 serves everything else and the CPU interpreter.
 
@@ -293,10 +293,11 @@ def _forward_impl(
     if config is not None:
         launch(config)
         return
-    if not intervals and hopper_forward_applies is not None and hopper_forward_applies(q, k, v):
+    if hopper_forward_applies is not None and hopper_forward_applies(q, k, v):
         # sm_90, bf16/fp16, head dim 64/128: the Gluon kernel (TMA, warp-specialized WGMMA), 1.2-1.3x
         # this one's speed (benchmarks/NOTES.md)
-        hopper_forward(q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, offset=offset, accum=accum)
+        hopper_forward(q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, offset=offset, accum=accum,
+                       key_lo=key_lo, key_hi=key_hi)
         return
     key = (d, q.dtype, causal, accum, q.device.index, intervals)
     # interval masks take the causal configs (masked tiles at the edges, like a causal block)

@@ -47,15 +47,39 @@ def _tile_range(m0, SK, OFFSET, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CA
 
 
 @gluon.jit
-def _work_tile(t, num_m, BH, H, GROUP, SK, OFFSET, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Work tile `t`: `(off_b, off_h, off_hk, m0, n_full, n_tiles)`. The query tiles of a few heads are
-    consecutive, so the programs in flight read the same K/V (from L2). Causal blocks go longest first:
-    launched one program per tile, the hardware hands the short tiles out last; persistent programs
-    take tiles round-robin, longest first over groups of `LPT_HEADS` heads (a head at a time left the
-    programs' sums of work uneven: 537 against 559 TFLOP/s, hd 128, S 8K, H200)."""
+def _interval_range(KeyLo, KeyHi, m0, SQ, SK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key tiles of the query rows `[m0, m0 + BLOCK_M)` under interval masks (row `i` sees the keys
+    `[KeyLo[i], KeyHi[i])`): `(n_lo, full_lo, full_hi, n_hi)`, tiles from `n_lo` to `n_hi` visited,
+    `[full_lo, full_hi)` seen whole by every live row (the rows with keys), the others masked; the same
+    walk as `attention_common.interval_tile_range` of the Triton kernels."""
+    PAD: gl.constexpr = 256 if BLOCK_M > 128 else BLOCK_M  # aranges are powers of two
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    offs = m0 + gl.arange(0, PAD, layout)
+    ok = (offs < SQ) & (offs < m0 + BLOCK_M)
+    lo = gl.maximum(gl.load(KeyLo + offs, mask=ok, other=0), 0)
+    hi = gl.minimum(gl.load(KeyHi + offs, mask=ok, other=0), SK)
+    live = ok & (lo < hi)
+    start = (gl.min(gl.where(live, lo, SK), 0) // BLOCK_N) * BLOCK_N
+    end = gl.max(gl.where(live, hi, 0), 0)
+    full_lo = gl.maximum(gl.cdiv(gl.max(gl.where(live, lo, 0), 0), BLOCK_N) * BLOCK_N, start)
+    full_hi = gl.minimum((gl.min(gl.where(live, hi, SK), 0) // BLOCK_N) * BLOCK_N, end)
+    start = gl.minimum(start, end)
+    return start, full_lo, gl.maximum(full_hi, full_lo), end
+
+
+@gluon.jit
+def _work_tile(t, walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+               INTERVALS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Work tile `t`: `(off_b, off_h, off_hk, m0, n_lo, full_lo, full_hi, n_tiles)`: key tiles from `n_lo`,
+    those inside `[full_lo, full_hi)` unmasked. The query tiles of a few heads are consecutive, so the
+    programs in flight read the same K/V (from L2). Causal and interval blocks go longest first: launched
+    one program per tile, the hardware hands the short tiles out last; persistent programs take tiles
+    round-robin, longest first over groups of `LPT_HEADS` heads (a head at a time left the programs' sums
+    of work uneven: 537 against 559 TFLOP/s, hd 128, S 8K, H200)."""
+    num_m, BH, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi = walk
     LPT_HEADS: gl.constexpr = 8
-    if CAUSAL and PERSISTENT:
+    LONGEST_FIRST: gl.constexpr = CAUSAL or INTERVALS
+    if LONGEST_FIRST and PERSISTENT:
         group = t // (num_m * LPT_HEADS)
         heads = gl.minimum(BH - group * LPT_HEADS, LPT_HEADS)
         r = t - group * num_m * LPT_HEADS
@@ -64,31 +88,37 @@ def _work_tile(t, num_m, BH, H, GROUP, SK, OFFSET, BLOCK_M: gl.constexpr, BLOCK_
     else:
         bh = t // num_m
         pid_m = t % num_m
-        if CAUSAL:
+        if LONGEST_FIRST:
             pid_m = num_m - 1 - pid_m
     off_h = bh % H
     m0 = pid_m * BLOCK_M
-    n_full, n_hi = _tile_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
-    return bh // H, off_h, off_h // GROUP, m0, n_full, gl.cdiv(n_hi, BLOCK_N)
+    if INTERVALS:
+        n_lo, full_lo, full_hi, n_hi = _interval_range(KeyLo, KeyHi, m0, SQ, SK, BLOCK_M, BLOCK_N)
+    else:
+        n_lo = 0
+        full_lo = 0
+        full_hi, n_hi = _tile_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
+    return bh // H, off_h, off_h // GROUP, m0, n_lo, full_lo, full_hi, gl.cdiv(n_hi - n_lo, BLOCK_N)
 
 
 @gluon.jit
 def _load_tile(descs, smem, bars, t, it, count, walk,
                HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-               PERSISTENT: gl.constexpr):
+               INTERVALS: gl.constexpr, PERSISTENT: gl.constexpr):
     """The loader's work tile `t` (the `count`-th of this program, its first K/V tile the `it`-th through
     the ring): Q once the consumers are done with the previous tile's, then K and V tile by tile, a slot
     reused once the consumers released it. Returns the ring position after it."""
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
-    num_m, BH, H, GROUP, SQ, SK, OFFSET = walk
+    SQ = walk[4]
+    SK = walk[5]
     STAGES: gl.constexpr = k_smem.type.shape[0]
     # Q in 64-row pieces, one per consumer (a 192-row tile is no TMA box: boxes are powers of two)
     CONSUMERS: gl.constexpr = q_smem.type.shape[0]
     ROWS: gl.constexpr = q_smem.type.shape[1]
-    off_b, off_h, off_hk, m0, n_full, n_tiles = _work_tile(t, num_m, BH, H, GROUP, SK, OFFSET, BLOCK_M, BLOCK_N,
-                                                           CAUSAL, PERSISTENT)
+    off_b, off_h, off_hk, m0, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL,
+                                                                           INTERVALS, PERSISTENT)
     # a fresh mbarrier counts as having completed phase 1: the first waits on "empty" return at once
     mbarrier.wait(q_empty, (count & 1) ^ 1)
     mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
@@ -98,7 +128,7 @@ def _load_tile(descs, smem, bars, t, it, count, walk,
     for i in range(n_tiles):
         s = (it + i) % STAGES
         ph = (((it + i) // STAGES) & 1) ^ 1
-        row = off_b * SK + i * BLOCK_N
+        row = off_b * SK + n_lo + i * BLOCK_N
         mbarrier.wait(k_empty.index(s), ph)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [row, off_hk * HEAD_D], k_ready.index(s), k_smem.index(s))
@@ -111,27 +141,34 @@ def _load_tile(descs, smem, bars, t, it, count, walk,
 @gluon.jit
 def _fwd_load(descs, smem, bars, walk,
               HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-              PERSISTENT: gl.constexpr):
+              INTERVALS: gl.constexpr, PERSISTENT: gl.constexpr):
     """The loader warp: its program's work tiles one after the other."""
     if PERSISTENT:
-        num_m, BH, H, GROUP, SQ, SK, OFFSET = walk
         it = 0
         count = 0
-        for t in range(gl.program_id(0), num_m * BH, gl.num_programs(0)):
-            it = _load_tile(descs, smem, bars, t, it, count, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, PERSISTENT)
+        for t in range(gl.program_id(0), walk[0] * walk[1], gl.num_programs(0)):
+            it = _load_tile(descs, smem, bars, t, it, count, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS,
+                            PERSISTENT)
             count += 1
     else:
-        _load_tile(descs, smem, bars, gl.program_id(0), 0, 0, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, PERSISTENT)
+        _load_tile(descs, smem, bars, gl.program_id(0), 0, 0, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS,
+                   PERSISTENT)
 
 
 @gluon.jit
-def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, n_full, SK, OFFSET, qk_scale, CAUSAL: gl.constexpr):
-    """One key tile's online-softmax step in base 2: `(p, m_new, l_new, alpha)`."""
-    if start_n >= n_full:
+def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, OFFSET, qk_scale, row_lo, row_hi,
+                  CAUSAL: gl.constexpr, INTERVALS: gl.constexpr):
+    """One key tile's online-softmax step in base 2: `(p, m_new, l_new, alpha)`; the tile is masked unless
+    it lies inside `[full_lo, full_hi)`."""
+    if (start_n < full_lo) | (start_n + qk.shape[1] > full_hi):
         offs_n = start_n + offs_n0
-        visible = offs_n[None, :] < SK
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
+        if INTERVALS:
+            # row_hi <= SK: the key tail is masked too
+            visible = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+        else:
+            visible = offs_n[None, :] < SK
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
         qk = gl.where(visible, qk * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(qk, 1))
         # a row that has seen no key yet keeps max -inf: subtract 0 so exp2 never sees -inf - -inf
@@ -149,14 +186,14 @@ def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, n_full, SK, OFFSET, qk
 @gluon.jit
 def _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                  CAUSAL: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr):
+                  CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr):
     """A consumer warpgroup's share of work tile `t` (the `count`-th of its program, its first K/V tile
     the `it`-th through the ring): its 64 query rows (the `WG`-th slice) through every key tile, then
     its own epilogue (the running state folded in with ACCUM). Returns the ring position after it."""
     q_smem, k_smem, v_smem = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls = strides
-    num_m, BH, H, GROUP, SQ, SK, OFFSET = walk
+    num_m, BH, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi = walk
     STAGES: gl.constexpr = k_smem.type.shape[0]
     ROWS: gl.constexpr = q_smem.type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -171,10 +208,18 @@ def _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale,
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     offs_n0 = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
     offs_d = gl.arange(0, HEAD_D, gl.SliceLayout(0, o_layout))
-    off_b, off_h, off_hk, m0, n_full, n_tiles = _work_tile(t, num_m, BH, H, GROUP, SK, OFFSET, BLOCK_M, BLOCK_N,
-                                                           CAUSAL, PERSISTENT)
+    off_b, off_h, off_hk, m0, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL,
+                                                                           INTERVALS, PERSISTENT)
     r0 = m0 + WG * ROWS
     offs_m = r0 + gl.arange(0, ROWS, row_layout)
+    if INTERVALS:
+        # rows past SQ get lo = hi = 0: no key (their results are dropped by the live reset below)
+        row_ok = offs_m < SQ
+        row_lo = gl.maximum(gl.load(KeyLo + offs_m, mask=row_ok, other=0), 0)
+        row_hi = gl.minimum(gl.load(KeyHi + offs_m, mask=row_ok, other=0), SK)
+    else:
+        row_lo = offs_m
+        row_hi = offs_m
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
@@ -189,8 +234,8 @@ def _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale,
         qk = warpgroup_mma(q_rows, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk, _, _ = warpgroup_mma_wait(0, deps=[qk, q_rows, k_buf])
         mbarrier.arrive(k_empty.index(s), count=1)
-        p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, 0, n_full, SK, OFFSET, qk_scale,
-                                           CAUSAL)
+        p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, n_lo, full_lo, full_hi, SK, OFFSET,
+                                           qk_scale, row_lo, row_hi, CAUSAL, INTERVALS)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for i in range(1, n_tiles):
             s = (it + i) % STAGES
@@ -203,8 +248,8 @@ def _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale,
             acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
             qk, _, _ = warpgroup_mma_wait(1, deps=[qk, q_rows, k_buf])
             mbarrier.arrive(k_empty.index(s), count=1)
-            p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, i * BLOCK_N, n_full, SK, OFFSET,
-                                               qk_scale, CAUSAL)
+            p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, n_lo + i * BLOCK_N, full_lo, full_hi,
+                                               SK, OFFSET, qk_scale, row_lo, row_hi, CAUSAL, INTERVALS)
             acc, _ = warpgroup_mma_wait(0, deps=[acc, v_buf])
             mbarrier.arrive(v_empty.index(sp), count=1)
             acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
@@ -220,6 +265,12 @@ def _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale,
     else:
         mbarrier.arrive(q_empty, count=1)
 
+    if INTERVALS:
+        # rows that see no key of this block: the empty state, whatever the unmasked tiles made of them
+        live = row_lo < row_hi
+        m_i = gl.where(live, m_i, float("-inf"))
+        l_i = gl.where(live, l_i, 0.0)
+        acc = gl.where(gl.convert_layout(live, orow_layout)[:, None], acc, 0.0)
     m_o = gl.convert_layout(m_i, orow_layout)
     l_o = gl.convert_layout(l_i, orow_layout)
     offs_mo = r0 + gl.arange(0, ROWS, orow_layout)
@@ -251,28 +302,28 @@ def _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale,
 @gluon.jit
 def _fwd_consume(smem, bars, Out, Lse, strides, walk, qk_scale,
                  WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                 CAUSAL: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr):
+                 CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr):
     """A consumer warpgroup: its program's work tiles one after the other."""
     if PERSISTENT:
-        num_m, BH, H, GROUP, SQ, SK, OFFSET = walk
         it = 0
         count = 0
-        for t in range(gl.program_id(0), num_m * BH, gl.num_programs(0)):
+        for t in range(gl.program_id(0), walk[0] * walk[1], gl.num_programs(0)):
             it = _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale, WG, BLOCK_M, BLOCK_N,
-                               HEAD_D, CAUSAL, ACCUM, PERSISTENT)
+                               HEAD_D, CAUSAL, INTERVALS, ACCUM, PERSISTENT)
             count += 1
     else:
         _consume_tile(smem, bars, Out, Lse, strides, gl.program_id(0), 0, 0, walk, qk_scale, WG, BLOCK_M, BLOCK_N,
-                      HEAD_D, CAUSAL, ACCUM, PERSISTENT)
+                      HEAD_D, CAUSAL, INTERVALS, ACCUM, PERSISTENT)
 
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, Out, Lse,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-    B, H, GROUP, SQ, SK, OFFSET, qk_scale,
+    B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """Persistent: `min(#SMs, work tiles)` programs walk the `cdiv(SQ, BLOCK_M) * B * H` work tiles.
     Descriptors over `[B * S, heads * HEAD_D]` views (Q's box 64 rows). `BLOCK_M / 64` consumer
@@ -302,26 +353,26 @@ def _attn_fwd_hopper_kernel(
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     strides = (stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls)
     descs = (q_desc, k_desc, v_desc)
-    walk = (num_m, B * H, H, GROUP, SQ, SK, OFFSET)
+    walk = (num_m, B * H, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi)
     # (tuples built by `+` do not reach the partitions: every argument list is written out)
     if CONSUMERS == 2:
         gl.warp_specialize((
             (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
-                            ACCUM, PERSISTENT)),
+                            INTERVALS, ACCUM, PERSISTENT)),
             (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
-                            ACCUM, PERSISTENT)),
-            (_fwd_load, (descs, smem, bars, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, PERSISTENT)),
+                            INTERVALS, ACCUM, PERSISTENT)),
+            (_fwd_load, (descs, smem, bars, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, PERSISTENT)),
         ), [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.static_assert(CONSUMERS == 3)
         gl.warp_specialize((
             (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
-                            ACCUM, PERSISTENT)),
+                            INTERVALS, ACCUM, PERSISTENT)),
             (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
-                            ACCUM, PERSISTENT)),
+                            INTERVALS, ACCUM, PERSISTENT)),
             (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
-                            ACCUM, PERSISTENT)),
-            (_fwd_load, (descs, smem, bars, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, PERSISTENT)),
+                            INTERVALS, ACCUM, PERSISTENT)),
+            (_fwd_load, (descs, smem, bars, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, PERSISTENT)),
         ), [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -348,6 +399,9 @@ CONFIGS = {
     (128, False): HopperConfig(128, True),
     (128, True): HopperConfig(128, False),
 }
+# interval masks (windows, packed documents): one program per work tile, the hardware balancing the uneven
+# ones (documents); 128 rows (192 at d 64 spills ~220 B with the bounds in registers: ptxas)
+INTERVAL_CONFIGS = {64: HopperConfig(128, False), 128: HopperConfig(128, False)}
 
 
 def _gluon_supported() -> bool:
@@ -393,13 +447,16 @@ def tma_rows_apply(*tensors: torch.Tensor) -> bool:
 def hopper_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
     softmax_scale: float, causal: bool, offset: int, accum: bool, config: HopperConfig | None = None,
+    key_lo: torch.Tensor | None = None, key_hi: torch.Tensor | None = None,
 ) -> None:
     """Launch the Hopper forward, writing (or merging into, with `accum`) `out`/`lse`. The caller has
     checked `hopper_forward_applies`, validated the arguments, made `softmax_scale >= 0` and `offset` a
-    32-bit mask offset, and `sq, sk > 0`. `config` (benchmarks only) replaces the table's."""
+    32-bit mask offset, and `sq, sk > 0`; with `key_lo`/`key_hi` (contiguous int32 `[sq]`, see
+    `attention_fwd.attention_forward`) `causal` is False. `config` (benchmarks only) replaces the table's."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    cfg = CONFIGS[(d, causal)] if config is None else config
+    intervals = key_lo is not None
+    cfg = config if config is not None else (INTERVAL_CONFIGS[d] if intervals else CONFIGS[(d, causal)])
     block_m, block_n, persistent = cfg.block_m, BLOCK_N, cfg.persistent
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     descs = []
@@ -416,8 +473,8 @@ def hopper_forward(
     _attn_fwd_hopper_kernel[grid](
         *descs, out, lse,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
-        b, h, h // hkv, sq, sk, offset, softmax_scale * 1.4426950408889634,
-        HEAD_D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, CAUSAL=causal, ACCUM=accum,
+        b, h, h // hkv, sq, sk, offset, softmax_scale * 1.4426950408889634, key_lo, key_hi,
+        HEAD_D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, CAUSAL=causal, INTERVALS=intervals, ACCUM=accum,
         PERSISTENT=persistent, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg,
     )
 
