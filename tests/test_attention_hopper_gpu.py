@@ -219,11 +219,13 @@ def _masked_attention(q, k, v, scale, lo, hi, dtype):
     j = torch.arange(k.shape[1], device=q.device)
     mask = (j[None, :] >= lo[:, None].long()) & (j[None, :] < hi[:, None].long())
     s = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(h // hkv, 2)) * scale
-    s = s.masked_fill(~mask, float("-inf"))
+    # rows that see no key compute on zeros (no -inf - -inf, no NaN gradient) and are zeroed by the mask
+    sees = mask.any(-1)
+    s = s.masked_fill(~mask, float("-inf")).masked_fill(~sees[:, None], 0.0)
     lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    p = torch.exp(s - lse[..., None]) * mask
     out = torch.einsum("bhij,bjhd->bihd", p, v.repeat_interleave(h // hkv, 2))
-    return out, lse
+    return out, lse.masked_fill(~sees, float("-inf"))
 
 
 def _intervals(sq, sk, kind, seed):
@@ -266,3 +268,46 @@ def test_interval_masks(kind, d, dtype):
     o2, l2 = fwd_mod.attention_forward(q, k, v, softmax_scale=scale, causal=False, q_start=0, k_start=0,
                                        key_lo=lo, key_hi=hi)
     assert torch.equal(o2, out) and torch.equal(l2, lse)
+
+
+def _inverse(lo, hi, sq, sk):
+    """Per key, the queries that see it as one interval `[query_lo, query_hi)` (checked to be one)."""
+    i = torch.arange(sq, device=lo.device)
+    j = torch.arange(sk, device=lo.device)
+    mask = (j[None, :] >= lo[:, None].long()) & (j[None, :] < hi[:, None].long())
+    seen = mask.any(0)
+    first = torch.where(seen, mask.int().argmax(0), 0)
+    last = torch.where(seen, sq - mask.flip(0).int().argmax(0), 0)
+    inside = (i[:, None] >= first[None, :]) & (i[:, None] < last[None, :])
+    assert torch.equal(inside, mask), "the mask is not one interval of queries per key"
+    return first.to(torch.int32), last.to(torch.int32)
+
+
+@pytest.mark.parametrize("kind", ["window", "documents"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_interval_masks_backward(kind, d):
+    # the Gluon forward's lse and out feed the backward (its dk/dv under intervals: the Triton kernel's,
+    # 6-10% faster there than the Gluon one, benchmarks/NOTES.md)
+    from ringlse.kernels.attention_bwd import attention_backward, attention_delta
+
+    q, k, v = _draw(2, 1500, 1300, 4, 2, d, torch.bfloat16, seed=41)
+    lo, hi = _intervals(1500, 1300, kind, seed=d)
+    qlo, qhi = _inverse(lo, hi, 1500, 1300)
+    scale = d**-0.5
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
+    out, lse = fwd_mod.attention_forward(q, k, v, softmax_scale=scale, causal=False, q_start=0, k_start=0,
+                                         key_lo=lo, key_hi=hi)
+    grads = [torch.zeros(t.shape, device="cuda") for t in (q, k, v)]
+    attention_backward(do, q, k, v, out, lse, attention_delta(do, out), softmax_scale=scale, causal=False,
+                       q_start=0, k_start=0, dq_acc=grads[0], dk_acc=grads[1], dv_acc=grads[2], key_lo=lo, key_hi=hi,
+                       query_lo=qlo, query_hi=qhi)
+
+    def autograd(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        o, _ = _masked_attention(*leaves, scale, lo, hi, dtype)
+        (o * do.to(dtype)).sum().backward()
+        return [t.grad for t in leaves]
+
+    for name, ours, ref, base in zip(("dq", "dk", "dv"), grads, autograd(torch.float64), autograd(torch.bfloat16)):
+        assert not torch.isnan(ours).any(), f"{name} has NaN"
+        assert_judged(name, ours, ref, base, torch.bfloat16)
