@@ -35,6 +35,7 @@ from ringlse.kernels.attention_common import (
     check_qkv_shapes,
     dot_precision,
     interval_tile_range,
+    key_tile_query_range,
     last_dim_contiguous,
     launch_with_fallback,
     mask_offset,
@@ -168,16 +169,8 @@ def _attn_bwd_dkdv_kernel(
         # query sees ride along unmasked and are dropped below
         col_lo, col_hi, m_lo, m_full_lo, m_full_hi, m_hi = interval_tile_range(
             QueryLo, QueryHi, offs_n, offs_n < SK, SQ, BLOCK_M)
-    elif CAUSAL:
-        # query i sees key j iff j <= i + OFFSET: rows before n0 - OFFSET see none of these keys;
-        # rows from (last real key) - OFFSET on see all of them
-        m_lo = (tl.maximum(n0 - OFFSET, 0) // BLOCK_M) * BLOCK_M
-        last_unmasked = tl.minimum(n0 + BLOCK_N, SK) - 1 - OFFSET
-        m_full = tl.where(last_unmasked > 0, tl.cdiv(last_unmasked, BLOCK_M) * BLOCK_M, 0)
-        m_full = tl.minimum(tl.maximum(m_full, m_lo), SQ)
     else:
-        m_lo = 0
-        m_full = 0
+        m_lo, m_full = key_tile_query_range(n0, SQ, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
 
     offs_m0 = tl.arange(0, BLOCK_M)
     for g in range(GROUP):

@@ -26,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ringlse.kernels.attention_common import key_tile_query_range
 from ringlse.kernels.attention_fwd_hopper import rows_view, tma_rows_apply
 
 BLOCK_N = 128  # keys per program (64 per consumer warpgroup)
@@ -34,22 +35,6 @@ BLOCK_N = 128  # keys per program (64 per consumer warpgroup)
 # spills, non-causal, and the same causal: H200, benchmarks/NOTES.md)
 BLOCK_M = 64
 STAGES = 2
-
-
-@gluon.jit
-def _query_range(n0, SQ, SK, OFFSET, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Query tiles that see the keys `[n0, n0 + BLOCK_N)`: from `m_lo` on; those before `m_full` are cut by
-    the causal boundary (masked), those from `m_full` on see every key (unmasked)."""
-    if CAUSAL:
-        # query i sees key j iff j <= i + OFFSET
-        m_lo = (gl.maximum(n0 - OFFSET, 0) // BLOCK_M) * BLOCK_M
-        last_unmasked = gl.minimum(n0 + BLOCK_N, SK) - 1 - OFFSET
-        m_full = gl.where(last_unmasked > 0, gl.cdiv(last_unmasked, BLOCK_M) * BLOCK_M, 0)
-        m_full = gl.minimum(gl.maximum(m_full, m_lo), SQ)
-    else:
-        m_lo = 0
-        m_full = 0
-    return m_lo, m_full
 
 
 @gluon.jit
@@ -74,7 +59,7 @@ def _dkdv_load(descs, smem, bars, walk, HEAD_D: gl.constexpr, CAUSAL: gl.constex
                                         k_smem.index(c))
         tma.async_copy_global_to_shared(v_desc, [off_b * SK + n0 + c * ROWS, off_hk * HEAD_D], kv_ready,
                                         v_smem.index(c))
-    m_lo, m_full = _query_range(n0, SQ, SK, OFFSET, BM, BN, CAUSAL)
+    m_lo, m_full = key_tile_query_range(n0, SQ, SK, OFFSET, BM, BN, CAUSAL)
     n_steps = gl.cdiv(SQ - m_lo, BM)
     it = 0
     for g in range(GROUP):
@@ -118,7 +103,7 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
     off_b = pid_bh // HKV
     off_hk = pid_bh % HKV
     n0 = gl.program_id(0) * BN
-    m_lo, m_full = _query_range(n0, SQ, SK, OFFSET, BM, BN, CAUSAL)
+    m_lo, m_full = key_tile_query_range(n0, SQ, SK, OFFSET, BM, BN, CAUSAL)
     n_steps = gl.cdiv(SQ - m_lo, BM)
     k_rows = k_smem.index(WG)
     v_rows = v_smem.index(WG)

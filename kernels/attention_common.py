@@ -47,6 +47,24 @@ def query_tile_key_range(m0, SK, OFFSET, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
+def key_tile_query_range(n0, SQ, SK, OFFSET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Query tiles that see the key tile at key `n0` (the dk/dv kernels' walk): from `m_lo` on; those
+    before `m_full` are cut by the causal boundary (masked), those from `m_full` on see every key of the
+    tile (unmasked)."""
+    if CAUSAL:
+        # query i sees key j iff j <= i + OFFSET: rows before n0 - OFFSET see none of these keys;
+        # rows from (last real key) - OFFSET on see all of them
+        m_lo = (tl.maximum(n0 - OFFSET, 0) // BLOCK_M) * BLOCK_M
+        last_unmasked = tl.minimum(n0 + BLOCK_N, SK) - 1 - OFFSET
+        m_full = tl.where(last_unmasked > 0, tl.cdiv(last_unmasked, BLOCK_M) * BLOCK_M, 0)
+        m_full = tl.minimum(tl.maximum(m_full, m_lo), SQ)
+    else:
+        m_lo = 0
+        m_full = 0
+    return m_lo, m_full
+
+
+@triton.jit
 def interval_tile_range(Lo, Hi, offs, ok, LIMIT, BLOCK: tl.constexpr):
     """The walk of a program whose rows `offs` (those with `ok`) see the columns `[Lo[r], Hi[r])` of
     `[0, LIMIT)` (forward and dq: query rows seeing keys; dk/dv: key rows seen by queries), over column

@@ -30,41 +30,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-
-@gluon.jit
-def _tile_range(m0, SK, OFFSET, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Key tiles of the query tile at row `m0`: `[0, n_full)` unmasked, `[n_full, n_hi)` masked."""
-    n_even = (SK // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        n_hi = gl.maximum(gl.minimum(SK, m0 + BLOCK_M + OFFSET), 0)
-        first_sees = m0 + OFFSET + 1
-        n_full = gl.where(first_sees > 0, (first_sees // BLOCK_N) * BLOCK_N, 0)
-        n_full = gl.minimum(n_full, n_even)
-    else:
-        n_hi = SK
-        n_full = n_even
-    return n_full, n_hi
+from ringlse.kernels.attention_common import interval_tile_range, query_tile_key_range
 
 
 @gluon.jit
 def _interval_range(KeyLo, KeyHi, m0, SQ, SK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Key tiles of the query rows `[m0, m0 + BLOCK_M)` under interval masks (row `i` sees the keys
-    `[KeyLo[i], KeyHi[i])`): `(n_lo, full_lo, full_hi, n_hi)`, tiles from `n_lo` to `n_hi` visited,
-    `[full_lo, full_hi)` seen whole by every live row (the rows with keys), the others masked; the same
-    walk as `attention_common.interval_tile_range` of the Triton kernels."""
+    `[KeyLo[i], KeyHi[i])`): `(n_lo, full_lo, full_hi, n_hi)` of `attention_common.interval_tile_range`
+    (the Triton kernels' walk), with `n_hi >= n_lo` when no row sees a key."""
     PAD: gl.constexpr = 256 if BLOCK_M > 128 else BLOCK_M  # aranges are powers of two
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    offs = m0 + gl.arange(0, PAD, layout)
+    offs = m0 + gl.arange(0, PAD, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
     ok = (offs < SQ) & (offs < m0 + BLOCK_M)
-    lo = gl.maximum(gl.load(KeyLo + offs, mask=ok, other=0), 0)
-    hi = gl.minimum(gl.load(KeyHi + offs, mask=ok, other=0), SK)
-    live = ok & (lo < hi)
-    start = (gl.min(gl.where(live, lo, SK), 0) // BLOCK_N) * BLOCK_N
-    end = gl.max(gl.where(live, hi, 0), 0)
-    full_lo = gl.maximum(gl.cdiv(gl.max(gl.where(live, lo, 0), 0), BLOCK_N) * BLOCK_N, start)
-    full_hi = gl.minimum((gl.min(gl.where(live, hi, SK), 0) // BLOCK_N) * BLOCK_N, end)
-    start = gl.minimum(start, end)
-    return start, full_lo, gl.maximum(full_hi, full_lo), end
+    _, _, start, full_lo, full_hi, end = interval_tile_range(KeyLo, KeyHi, offs, ok, SK, BLOCK_N)
+    return start, full_lo, full_hi, gl.maximum(end, start)
 
 
 @gluon.jit
@@ -97,7 +75,7 @@ def _work_tile(t, walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl
     else:
         n_lo = 0
         full_lo = 0
-        full_hi, n_hi = _tile_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
+        full_hi, n_hi = query_tile_key_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
     return bh // H, off_h, off_h // GROUP, m0, n_lo, full_lo, full_hi, gl.cdiv(n_hi - n_lo, BLOCK_N)
 
 
