@@ -210,6 +210,16 @@ def precompile(nproc: int, shapes, sweep: bool) -> None:
 # timing
 
 
+def save_result(out_dir: str, stem: str, result: dict) -> str:
+    """Write `result` as `out_dir/<stem>-<gpu>.json`; returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    tag = torch.cuda.get_device_name(0).replace(" ", "_").replace("/", "_")
+    path = os.path.join(out_dir, f"{stem}-{tag}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
+
+
 def _bench(fn, n_sets: int) -> float:
     import triton
 
@@ -506,12 +516,8 @@ def run_bench(args) -> None:
         peer_figures_design_s9=PEER_FIGURES_H200,
         rows=rows,
     )
-    out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(out_dir, exist_ok=True)
-    tag = gpu.replace(" ", "_").replace("/", "_")
-    path = os.path.join(out_dir, f"block_attention-{tag}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = save_result(args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                       "block_attention", result)
     print("\nratios (peer time / ours, higher is better)")
     print(f"{'shape':<30}{'fwd/FA2':>9}{'bwd/FA2':>9}{'fwd/cuDNN':>11}{'bwd/cuDNN':>11}{'fwd/FA4':>9}{'bwd/FA4':>9}"
           f"{'merge':>7}")

@@ -8,7 +8,6 @@ Usage (on a GPU): python benchmarks/hopper_bwd_probe.py [--out DIR]
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -17,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from block_attention import _bench, _make_sets, _n_sets, attn_flops, time_sdpa  # noqa: E402
+from block_attention import _bench, save_result, _make_sets, _n_sets, attn_flops, time_sdpa  # noqa: E402
 
 
 def _grads_ref(q, k, v, do, scale, causal, offset):
@@ -157,10 +156,7 @@ def main() -> None:
               "python": platform.python_version(), "command": " ".join(sys.argv), "check_failures": fails,
               "rows": rows}
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        name = torch.cuda.get_device_name().replace(" ", "_")
-        with open(os.path.join(args.out, f"hopper_bwd_probe-{name}.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        save_result(args.out, "hopper_bwd_probe", result)
     print("check failures:", len(fails))
 
 

@@ -38,6 +38,17 @@ STAGES = 2
 
 
 @gluon.jit
+def _key_tile(walk, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """This program's keys and query walk: `(off_b, off_hk, n0, m_lo, m_full, n_steps)`, query tiles of `BM`
+    from `m_lo` (masked before `m_full`), `n_steps` of them per query head."""
+    HKV, GROUP, SQ, SK, OFFSET = walk
+    pid_bh = gl.program_id(1)
+    n0 = gl.program_id(0) * BN
+    m_lo, m_full = key_tile_query_range(n0, SQ, SK, OFFSET, BM, BN, CAUSAL)
+    return pid_bh // HKV, pid_bh % HKV, n0, m_lo, m_full, gl.cdiv(SQ - m_lo, BM)
+
+
+@gluon.jit
 def _dkdv_load(descs, smem, bars, walk, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr):
     """The loader warp: this program's K and V once, then Q and dO tile by tile into the ring."""
     q_desc, do_desc, k_desc, v_desc = descs
@@ -49,18 +60,13 @@ def _dkdv_load(descs, smem, bars, walk, HEAD_D: gl.constexpr, CAUSAL: gl.constex
     ROWS: gl.constexpr = k_smem.type.shape[1]
     BM: gl.constexpr = q_smem.type.shape[1]
     BN: gl.constexpr = CONSUMERS * ROWS
-    pid_bh = gl.program_id(1)
-    off_b = pid_bh // HKV
-    off_hk = pid_bh % HKV
-    n0 = gl.program_id(0) * BN
+    off_b, off_hk, n0, m_lo, m_full, n_steps = _key_tile(walk, BM, BN, CAUSAL)
     mbarrier.expect(kv_ready, CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(CONSUMERS):
         tma.async_copy_global_to_shared(k_desc, [off_b * SK + n0 + c * ROWS, off_hk * HEAD_D], kv_ready,
                                         k_smem.index(c))
         tma.async_copy_global_to_shared(v_desc, [off_b * SK + n0 + c * ROWS, off_hk * HEAD_D], kv_ready,
                                         v_smem.index(c))
-    m_lo, m_full = key_tile_query_range(n0, SQ, SK, OFFSET, BM, BN, CAUSAL)
-    n_steps = gl.cdiv(SQ - m_lo, BM)
     it = 0
     for g in range(GROUP):
         col = (off_hk * GROUP + g) * HEAD_D
@@ -99,12 +105,7 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
 
-    pid_bh = gl.program_id(1)
-    off_b = pid_bh // HKV
-    off_hk = pid_bh % HKV
-    n0 = gl.program_id(0) * BN
-    m_lo, m_full = key_tile_query_range(n0, SQ, SK, OFFSET, BM, BN, CAUSAL)
-    n_steps = gl.cdiv(SQ - m_lo, BM)
+    off_b, off_hk, n0, m_lo, m_full, n_steps = _key_tile(walk, BM, BN, CAUSAL)
     k_rows = k_smem.index(WG)
     v_rows = v_smem.index(WG)
     offs_n = n0 + WG * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, st_layout))
