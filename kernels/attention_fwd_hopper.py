@@ -1,18 +1,19 @@
-"""Hopper (sm_90) forward block attention in Gluon: TMA loads by a producer warp, WGMMA in two
+"""Hopper (sm_90) forward block attention in Gluon: TMA loads by a producer warp, WGMMA in two or three
 consumer warpgroups, the in-kernel merge into float32 accumulators kept.
 
 Same contract and numerics as `attention_fwd` (online softmax in base 2, rows that see no key come out
 `(0, -inf)`, the ring's running state folded in the epilogue), for the cases where it pays: bf16/fp16,
-head dims 64 and 128, dense or causal blocks. `attention_fwd`'s launcher routes here on sm_90 and keeps
-its own Triton kernel for everything else (and for the CPU interpreter, which does not run Gluon).
+head dims 64 and 128, dense, causal or interval-masked blocks (windows, packed documents).
+`attention_fwd`'s launcher routes here on sm_90 and keeps its own Triton kernel for everything else (and
+for the CPU interpreter, which does not run Gluon).
 
-Structure (FlashAttention-3's): one program owns `BLOCK_M = 128` query rows of one head, 8 compute warps
-(two warpgroups of 64 rows each) and one loader warp. The loader brings Q once and the K/V tiles through
-a ring of `STAGES` shared-memory slots, each guarded by a "ready" mbarrier (TMA bytes landed) and an
-"empty" one (the consumers are done reading). Consumers issue `S = Q K^T` from shared memory, do the
-online softmax in registers and issue `O += P V` with P straight from registers.
+Structure (FlashAttention-3's): a program owns `BLOCK_M` (128 or 192) query rows of one head: one 4-warp
+consumer warpgroup per 64 rows and one loader warp. The loader brings Q and the K/V tiles through a ring
+of `STAGES` shared-memory slots, each guarded by a "ready" mbarrier (TMA bytes landed) and an "empty" one
+(the consumers are done reading). Consumers issue `S = Q K^T` from shared memory, do the online softmax
+in registers and issue `O += P V` with P straight from registers, each at its own pace. Programs take one
+work tile each, or walk them persistently (`CONFIGS`: measured per head dim and mask).
 """
-
 from __future__ import annotations
 
 import functools
