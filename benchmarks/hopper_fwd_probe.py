@@ -151,10 +151,9 @@ def time_variants(shapes, variants, dtype=torch.bfloat16) -> list[dict]:
                     row[f"{name}_ms"] = _bench(lambda i: G.hopper_forward(
                         sets[i][0], sets[i][1], sets[i][2], o, lse, softmax_scale=scale, causal=causal, offset=0,
                         accum=False, config=G.HopperConfig(bm, pers)), n)
-                    if name == variants[0]:
-                        row[f"{name}_merge_ms"] = _bench(lambda i: G.hopper_forward(
-                            sets[i][0], sets[i][1], sets[i][2], acc, lacc, softmax_scale=scale, causal=causal,
-                            offset=0, accum=True, config=G.HopperConfig(bm, pers)), n)
+                    row[f"{name}_merge_ms"] = _bench(lambda i: G.hopper_forward(
+                        sets[i][0], sets[i][1], sets[i][2], acc, lacc, softmax_scale=scale, causal=causal,
+                        offset=0, accum=True, config=G.HopperConfig(bm, pers)), n)
                 except Exception as err:  # a variant that does not compile or fit: recorded, not fatal
                     row[f"{name}_error"] = repr(err)[:300]
             row["cudnn_ms"] = time_sdpa(b, h, s, d, causal, SDPBackend.CUDNN_ATTENTION)["fwd"]
@@ -166,11 +165,64 @@ def time_variants(shapes, variants, dtype=torch.bfloat16) -> list[dict]:
     return rows
 
 
+def time_masks(variants, seqlen: int = 32768, dtype=torch.bfloat16) -> list[dict]:
+    """Interval masks (masked_attention.py's inputs: b1 h32 d128, S 32K, causal), each variant checked
+    against the Triton kernel on the same inputs and timed; TFLOP/s over visible pairs."""
+    from masked_attention import inputs, visible_pairs
+    from ringlse.kernels import attention_fwd as F
+    from ringlse.kernels import attention_fwd_hopper as G
+    from ringlse.masks import Span, block_intervals
+
+    b, h, d, s = 1, 32, 128, seqlen
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
+    scale = d**-0.5
+    o = torch.empty_like(q)
+    lse = torch.empty(b, h, s, dtype=torch.float32, device="cuda")
+    rows = []
+    rules = dict(inputs(s))
+    rules["causal as intervals"] = None  # the dense causal pattern through the interval path
+    for name, rule in rules.items():
+        if rule is None:
+            pos = torch.arange(s, device=q.device, dtype=torch.int32)
+            flop = 4 * b * h * d * s * (s + 1) // 2
+            kw = dict(causal=False, key_lo=torch.zeros_like(pos), key_hi=pos + 1)
+        elif rule.plain:
+            flop = 4 * b * h * d * visible_pairs(rule, s)
+            kw = dict(causal=True)
+        else:
+            flop = 4 * b * h * d * visible_pairs(rule, s)
+            iv = block_intervals(rule, Span(0, s), Span(0, s), q.device)
+            kw = dict(causal=False, key_lo=iv.key_lo.contiguous(), key_hi=iv.key_hi.contiguous())
+        F._forward_impl(q, k, v, o, lse, softmax_scale=scale, offset=0, accum=False, **kw)
+        ref_o, ref_l = o.float().clone(), lse.clone()
+        row = {"input": name, "fwd_flop": flop,
+               "tl_ms": _bench(lambda i: F._forward_impl(q, k, v, o, lse, softmax_scale=scale, offset=0, accum=False,
+                                                         **kw), 1)}
+        for vname in variants:
+            bm, pers = VARIANTS[vname]
+            if bm > 128:
+                continue
+            o.fill_(float("nan"))
+            G.hopper_forward(q, k, v, o, lse, softmax_scale=scale, offset=0, accum=False,
+                             config=G.HopperConfig(bm, pers), **kw)
+            row[f"{vname}_diff_vs_tl"] = max((o.float() - ref_o).abs().max().item(),
+                                             (lse - ref_l).nan_to_num(0.0).abs().max().item())
+            row[f"{vname}_ms"] = _bench(lambda i: G.hopper_forward(
+                q, k, v, o, lse, softmax_scale=scale, offset=0, accum=False, config=G.HopperConfig(bm, pers), **kw), 1)
+        for key in [k_ for k_ in row if k_.endswith("_ms")]:
+            row[key.replace("_ms", "_tflops")] = flop / row[key] / 1e9
+        print(name, " ".join(f"{k_[:-7]} {v_:5.0f}" for k_, v_ in row.items() if k_.endswith("_tflops")),
+              " ".join(f"{k_}={v_:.3g}" for k_, v_ in row.items() if k_.endswith("_diff_vs_tl")), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--masks", action="store_true", help="also time the interval masks of masked_attention.py")
     args = ap.parse_args()
     import triton
 
@@ -178,11 +230,13 @@ def main() -> None:
     for name in args.variants:
         fails += check(name)
     shapes = [(2, 16, 8192, 128), (2, 16, 8192, 64)] if args.quick else \
-        [(2, 16, 8192, 128), (1, 32, 16384, 128), (2, 16, 8192, 64), (1, 32, 16384, 64)]
+        [(2, 16, 8192, 128), (1, 32, 16384, 128), (2, 16, 8192, 64), (1, 32, 16384, 64), (1, 32, 32768, 64)]
     rows = time_variants(shapes, args.variants)
+    mask_rows = time_masks(args.variants) if args.masks else []
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "python": platform.python_version(), "command": " ".join(sys.argv), "variants": VARIANTS,
-              "check_failures": fails, "rows": rows}
+              "check_failures": fails, "rows": rows,
+              "mask_rows": mask_rows}
     if args.out:
         save_result(args.out, "hopper_fwd_probe", result)
     print("check failures:", len(fails))

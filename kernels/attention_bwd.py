@@ -41,6 +41,7 @@ from ringlse.kernels.attention_common import (
     mask_offset,
     query_tile_key_range,
     set_tuned_bwd_config,
+    tile_visible,
 )
 try:  # the Hopper dk/dv kernel is Gluon, which Triton before 3.5 does not have
     from ringlse.kernels.attention_bwd_hopper import hopper_dkdv, hopper_dkdv_applies
@@ -258,13 +259,7 @@ def _dq_tiles(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
-            if INTERVALS:
-                visible = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
-            else:
-                visible = n_ok[None, :]
-                if CAUSAL:
-                    visible = visible & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
-            p = tl.where(visible, p, 0.0)
+            p = tl.where(tile_visible(offs_m, offs_n, n_ok, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS), p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ringlse.kernels.host import interpreting, next_power_of_2
+from ringlse.kernels.merge_math import merge_shift
 
 LOG2E = 1.4426950408889634
 
@@ -44,6 +45,43 @@ def query_tile_key_range(m0, SK, OFFSET, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
         n_hi = SK
         n_full = n_even
     return n_full, n_hi
+
+
+@triton.jit
+def tile_visible(offs_m, offs_n, n_ok, row_lo, row_hi, OFFSET, CAUSAL: tl.constexpr, INTERVALS: tl.constexpr):
+    """`[M, N]` visibility of the keys `offs_n` to the query rows `offs_m` in a masked tile: with
+    INTERVALS row `i` sees `[row_lo[i], row_hi[i])` (`row_hi <= SK`: the key tail is masked too),
+    otherwise the keys with `n_ok` (`offs_n < SK`, the caller's load mask), cut by the causal rule with
+    CAUSAL."""
+    if INTERVALS:
+        visible = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+    else:
+        visible = n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
+    return visible
+
+
+@triton.jit
+def softmax_step(qk, m_i, qk_scale, visible, MASKED: tl.constexpr):
+    """One key tile's online-softmax step in base 2 on the raw scores `qk` `[M, N]`: `(p, m_new, alpha)`,
+    `alpha` the factor of the running sums. Masked tiles keep the `visible` pairs; unmasked ones need
+    `qk_scale > 0` (the launchers make it so)."""
+    if MASKED:
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # a row that has seen no key yet keeps max -inf: subtract 0 instead so that exp2(-inf - -inf)
+        # never makes a NaN (its p and alpha come out 0)
+        m_sub = merge_shift(m_new)
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+    else:
+        # every key here is visible, so m_new is finite, and scale > 0 gives max(qk) * scale ==
+        # max(qk * scale): the scaling fuses into one FMA
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+    return p, m_new, alpha
 
 
 @triton.jit

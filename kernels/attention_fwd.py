@@ -46,9 +46,11 @@ from ringlse.kernels.attention_common import (
     mask_offset,
     query_tile_key_range,
     set_tuned_fwd_config,
+    softmax_step,
+    tile_visible,
 )
 from ringlse.kernels.host import cdiv
-from ringlse.kernels.merge_math import merge_finish, merge_fold, merge_shift
+from ringlse.kernels.merge_math import merge_finish, merge_fold
 
 try:  # the Hopper kernel is Gluon, which Triton before 3.5 does not have
     from ringlse.kernels.attention_fwd_hopper import hopper_forward, hopper_forward_applies
@@ -97,27 +99,8 @@ def _fwd_tiles(
         else:
             kt = tl.load(kt_ptrs)
         qk = tl.dot(q, kt, input_precision=DOT_PREC)
-        if MASKED:
-            if INTERVALS:
-                # row_hi <= SK: the key tail is masked too
-                visible = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
-            else:
-                visible = n_ok[None, :]
-                if CAUSAL:
-                    visible = visible & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # a row that has seen no key yet keeps max -inf: subtract 0 instead so that
-            # exp2(-inf - -inf) never makes a NaN (its p and alpha come out 0)
-            m_sub = merge_shift(m_new)
-            p = tl.math.exp2(qk - m_sub[:, None])
-            alpha = tl.math.exp2(m_i - m_sub)
-        else:
-            # every key here is visible, so m_new is finite; scale > 0 (the launcher makes it so),
-            # hence max(qk) * scale == max(qk * scale) and the scaling fuses into one FMA
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
+        visible = tile_visible(offs_m, offs_n, n_ok, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS) if MASKED else None
+        p, m_new, alpha = softmax_step(qk, m_i, qk_scale, visible, MASKED)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if MASKED:

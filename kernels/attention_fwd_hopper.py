@@ -31,7 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ringlse.kernels.attention_common import interval_tile_range, query_tile_key_range
+from ringlse.kernels.attention_common import interval_tile_range, query_tile_key_range, softmax_step, tile_visible
+from ringlse.kernels.merge_math import merge_finish, merge_fold
 
 
 @gluon.jit
@@ -48,27 +49,16 @@ def _interval_range(KeyLo, KeyHi, m0, SQ, SK, BLOCK_M: gl.constexpr, BLOCK_N: gl
 
 @gluon.jit
 def _work_tile(t, walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-               INTERVALS: gl.constexpr, PERSISTENT: gl.constexpr):
+               INTERVALS: gl.constexpr):
     """Work tile `t`: `(off_b, off_h, off_hk, m0, n_lo, full_lo, full_hi, n_tiles)`: key tiles from `n_lo`,
-    those inside `[full_lo, full_hi)` unmasked. The query tiles of a few heads are consecutive, so the
-    programs in flight read the same K/V (from L2). Causal and interval blocks go longest first: launched
-    one program per tile, the hardware hands the short tiles out last; persistent programs take tiles
-    round-robin, longest first over groups of `LPT_HEADS` heads (a head at a time left the programs' sums
-    of work uneven: 537 against 559 TFLOP/s, hd 128, S 8K, H200)."""
+    those inside `[full_lo, full_hi)` unmasked. The query tiles of a head are consecutive, so the programs
+    in flight read the same K/V (from L2). Causal and interval blocks (one program per tile) go longest
+    first: the hardware hands the short tiles out last."""
     num_m, BH, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi = walk
-    LPT_HEADS: gl.constexpr = 8
-    LONGEST_FIRST: gl.constexpr = CAUSAL or INTERVALS
-    if LONGEST_FIRST and PERSISTENT:
-        group = t // (num_m * LPT_HEADS)
-        heads = gl.minimum(BH - group * LPT_HEADS, LPT_HEADS)
-        r = t - group * num_m * LPT_HEADS
-        bh = group * LPT_HEADS + r % heads
-        pid_m = num_m - 1 - r // heads
-    else:
-        bh = t // num_m
-        pid_m = t % num_m
-        if LONGEST_FIRST:
-            pid_m = num_m - 1 - pid_m
+    bh = t // num_m
+    pid_m = t % num_m
+    if CAUSAL or INTERVALS:
+        pid_m = num_m - 1 - pid_m
     off_h = bh % H
     m0 = pid_m * BLOCK_M
     if INTERVALS:
@@ -83,7 +73,7 @@ def _work_tile(t, walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl
 @gluon.jit
 def _load_tile(descs, smem, bars, t, it, count, walk,
                HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-               INTERVALS: gl.constexpr, PERSISTENT: gl.constexpr):
+               INTERVALS: gl.constexpr):
     """The loader's work tile `t` (the `count`-th of this program, its first K/V tile the `it`-th through
     the ring): Q once the consumers are done with the previous tile's, then K and V tile by tile, a slot
     reused once the consumers released it. Returns the ring position after it."""
@@ -97,7 +87,7 @@ def _load_tile(descs, smem, bars, t, it, count, walk,
     CONSUMERS: gl.constexpr = q_smem.type.shape[0]
     ROWS: gl.constexpr = q_smem.type.shape[1]
     off_b, off_h, off_hk, m0, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL,
-                                                                           INTERVALS, PERSISTENT)
+                                                                           INTERVALS)
     # a fresh mbarrier counts as having completed phase 1: the first waits on "empty" return at once
     mbarrier.wait(q_empty, (count & 1) ^ 1)
     mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
@@ -126,12 +116,10 @@ def _fwd_load(descs, smem, bars, walk,
         it = 0
         count = 0
         for t in range(gl.program_id(0), walk[0] * walk[1], gl.num_programs(0)):
-            it = _load_tile(descs, smem, bars, t, it, count, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS,
-                            PERSISTENT)
+            it = _load_tile(descs, smem, bars, t, it, count, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS)
             count += 1
     else:
-        _load_tile(descs, smem, bars, gl.program_id(0), 0, 0, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS,
-                   PERSISTENT)
+        _load_tile(descs, smem, bars, gl.program_id(0), 0, 0, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS)
 
 
 @gluon.jit
@@ -141,31 +129,17 @@ def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, 
     it lies inside `[full_lo, full_hi)`."""
     if (start_n < full_lo) | (start_n + qk.shape[1] > full_hi):
         offs_n = start_n + offs_n0
-        if INTERVALS:
-            # row_hi <= SK: the key tail is masked too
-            visible = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
-        else:
-            visible = offs_n[None, :] < SK
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
-        qk = gl.where(visible, qk * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))
-        # a row that has seen no key yet keeps max -inf: subtract 0 so exp2 never sees -inf - -inf
-        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(qk - m_sub[:, None])
-        alpha = gl.exp2(m_i - m_sub)
+        visible = tile_visible(offs_m, offs_n, offs_n < SK, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS)
+        p, m_new, alpha = softmax_step(qk, m_i, qk_scale, visible, True)
     else:
-        # every key visible: m_new finite, and scale > 0 lets the scaling fuse into one FMA
-        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-        p = gl.exp2(qk * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
+        p, m_new, alpha = softmax_step(qk, m_i, qk_scale, None, False)
     return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
 
 @gluon.jit
 def _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                  CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr):
+                  CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr):
     """A consumer warpgroup's share of work tile `t` (the `count`-th of its program, its first K/V tile
     the `it`-th through the ring): its 64 query rows (the `WG`-th slice) through every key tile, then
     its own epilogue (the running state folded in with ACCUM). Returns the ring position after it."""
@@ -188,7 +162,7 @@ def _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale,
     offs_n0 = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
     offs_d = gl.arange(0, HEAD_D, gl.SliceLayout(0, o_layout))
     off_b, off_h, off_hk, m0, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL,
-                                                                           INTERVALS, PERSISTENT)
+                                                                           INTERVALS)
     r0 = m0 + WG * ROWS
     offs_m = r0 + gl.arange(0, ROWS, row_layout)
     if INTERVALS:
@@ -259,20 +233,12 @@ def _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale,
     lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + offs_mo * stride_ls
     o_mask = m_ok[:, None] & (offs_d[None, :] < HEAD_D)
     if ACCUM:
-        # fold the running state (lse in base e) in as one more online-softmax state
+        # the running state (lse in base e) is one more state to fold in
         old2 = gl.load(lse_ptrs, mask=m_ok, other=float("-inf")) * 1.4426950408889634
         o_old = gl.load(o_ptrs, mask=o_mask, other=0.0)
-        m_new = gl.maximum(m_o, old2)
-        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-        a_new = gl.exp2(m_o - m_sub)
-        a_old = gl.exp2(old2 - m_sub)
-        acc = acc * a_new[:, None] + gl.where(a_old[:, None] > 0, o_old * a_old[:, None], 0.0)
-        l_o = l_o * a_new + a_old
-        m_o = m_new
+        m_o, l_o, acc = merge_fold(m_o, l_o, acc, old2, o_old, True)
     # rows that saw nothing: (0, -inf), never 0/0
-    empty = l_o == 0.0
-    out = acc / gl.where(empty, 1.0, l_o)[:, None]
-    lse2 = gl.where(empty, float("-inf"), m_o + gl.log2(gl.where(empty, 1.0, l_o)))
+    lse2, out = merge_finish(m_o, l_o, acc, True)
     gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
     gl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=m_ok)
     return it + n_tiles
@@ -288,11 +254,11 @@ def _fwd_consume(smem, bars, Out, Lse, strides, walk, qk_scale,
         count = 0
         for t in range(gl.program_id(0), walk[0] * walk[1], gl.num_programs(0)):
             it = _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale, WG, BLOCK_M, BLOCK_N,
-                               HEAD_D, CAUSAL, INTERVALS, ACCUM, PERSISTENT)
+                               HEAD_D, CAUSAL, INTERVALS, ACCUM)
             count += 1
     else:
         _consume_tile(smem, bars, Out, Lse, strides, gl.program_id(0), 0, 0, walk, qk_scale, WG, BLOCK_M, BLOCK_N,
-                      HEAD_D, CAUSAL, INTERVALS, ACCUM, PERSISTENT)
+                      HEAD_D, CAUSAL, INTERVALS, ACCUM)
 
 
 @gluon.jit
@@ -370,11 +336,12 @@ class HopperConfig:
 
 
 # (head_dim, causal) -> config, the fastest of the candidates timed on H200 (benchmarks/NOTES.md):
-# three consumers need head dim 64's smaller registers; persistent programs lost causal hd 128
-# (515 against 554 TFLOP/s at S 8K: the static round-robin leaves uneven sums of work)
+# three consumers need head dim 64's smaller registers; causal blocks run one program per tile (a static
+# persistent walk leaves uneven sums of work: 515 against 554 TFLOP/s at hd 128, S 8K; one handing tiles
+# out through an atomic counter measured no faster than the hardware's own order)
 CONFIGS = {
     (64, False): HopperConfig(192, True),
-    (64, True): HopperConfig(192, True),
+    (64, True): HopperConfig(192, False),
     (128, False): HopperConfig(128, True),
     (128, True): HopperConfig(128, False),
 }
