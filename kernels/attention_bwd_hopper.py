@@ -224,6 +224,15 @@ def hopper_dkdv(
     b, sq, h, d = q.shape
     bm = BLOCK_M if block_m is None else block_m
     sk, hkv = k.shape[1], k.shape[2]
+    if b > 1 and sq % bm:
+        # the descriptors see the batch as one [b * s] matrix: a partial last query tile would read the next
+        # element's first rows of Q and dO (P is 0 there, but a NaN or inf would still reach dK and dV
+        # through the products); one launch per element lets TMA fill the tile's tail with zeros instead
+        for i in range(b):
+            hopper_dkdv(dout[i:i + 1], q[i:i + 1], k[i:i + 1], v[i:i + 1], lse[i:i + 1], delta[i:i + 1],
+                        dk_acc[i:i + 1], dv_acc[i:i + 1], qk_scale=qk_scale, dk_scale=dk_scale, causal=causal,
+                        offset=offset, block_m=block_m)
+        return
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     descs = []
     for t, rows in ((q, bm), (dout, bm), (k, 64), (v, 64)):

@@ -401,6 +401,14 @@ def hopper_forward(
     `attention_fwd.attention_forward`) `causal` is False. `config` (benchmarks only) replaces the table's."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    if b > 1 and sk % BLOCK_N:
+        # the descriptors see the batch as one [b * s] matrix: a partial last key tile would read the next
+        # element's first keys (masked, but a NaN or inf there would still reach P V); one launch per element
+        # lets TMA fill the tile's tail with zeros instead
+        for i in range(b):
+            hopper_forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], out[i:i + 1], lse[i:i + 1], softmax_scale=softmax_scale,
+                           causal=causal, offset=offset, accum=accum, config=config, key_lo=key_lo, key_hi=key_hi)
+        return
     intervals = key_lo is not None
     cfg = config if config is not None else (INTERVAL_CONFIGS[d] if intervals else CONFIGS[(d, causal)])
     block_m, block_n, persistent = cfg.block_m, BLOCK_N, cfg.persistent

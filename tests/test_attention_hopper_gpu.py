@@ -181,6 +181,32 @@ def test_backward_gradients(shape, causal, offsets):
         assert_judged(name, o, r, bl, torch.bfloat16)
 
 
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_batch_elements_never_reach_each_other(d, causal):
+    """The kernels' descriptors see a batch as one `[b * s]` matrix: with 1000 queries and keys (partial
+    last tiles) a tile of element 0 would read element 1's first rows. NaN in every input of element 1
+    must leave element 0's out, lse and gradients exactly what element 0 alone gives."""
+    import ringlse
+
+    q, k, v = _draw(2, 1000, 1000, 4, 2, d, torch.bfloat16, seed=40 + d)
+    go = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
+    for t in (q, k, v, go):
+        t[1] = float("nan")
+
+    def run(*tensors):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors[:3]]
+        out, lse = ringlse.block_attention(*leaves, causal=causal, backend="triton")
+        ((out.float() * tensors[3].float()).sum() + lse.sum()).backward()
+        return [out, lse, *(t.grad for t in leaves)]
+
+    batched = run(q, k, v, go)
+    alone = run(*(t[:1] for t in (q, k, v, go)))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), batched, alone):
+        assert a[:1].isfinite().all(), f"{name}: element 1's NaN reached element 0"
+        assert torch.equal(a[:1], b), f"{name}: element 0 differs from element 0 alone"
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_dkdv_adds_into_views(causal):
     # dk/dv accumulators: views of larger NaN-poisoned buffers holding earlier gradients
