@@ -297,6 +297,48 @@ def test_attention_api_bottom_right(device):
     assert_judged("lse", lse, ref_l, base_l, torch.float16, is_lse=True)
 
 
+# (batch, seqlen, nheads, nheads_kv, headdim, dtype, masks): the same call twice must give the same bits
+DETERMINISM = [
+    pytest.param((2, 97, 4, 2, 64, torch.float16, {}), id="2x97x4of2x64-fp16-causal"),
+    pytest.param((1, 75, 2, 1, 32, torch.float32, dict(window_size=(9, 0), cu_seqlens=[0, 30, 31, 75])),
+                 id="1x75x2of1x32-fp32-window-docs"),
+]
+DETERMINISM_GPU = [
+    pytest.param((2, 1025, 8, 2, 128, torch.bfloat16, {}), id="2x1025x8of2x128-bf16-causal"),
+    pytest.param((1, 3000, 4, 4, 64, torch.bfloat16, {}), id="1x3000x4x64-bf16-causal"),
+    pytest.param((1, 2049, 8, 2, 128, torch.bfloat16, dict(window_size=(300, 0), cu_seqlens=[0, 700, 701, 2049])),
+                 id="1x2049x8of2x128-bf16-window-docs"),
+]
+
+
+def _bitwise_runs(case, device):
+    """Two causal forward + backward runs of `attention(backend="triton")` on the same inputs: every
+    output, lse and gradient bitwise equal (issue 31: the kernels use no atomics, each dk/dv program
+    owns its key tile, each dq program its query tile; launch configs are picked first-fit)."""
+    b, s, h, hkv, d, dtype, masks = case
+    q, k, v = _draw(b, s, s, h, hkv, d, dtype, device, seed=s)
+    go = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    runs = []
+    for _ in range(2):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = ringlse.attention(*leaves, causal=True, return_lse=True, backend="triton", **masks)
+        ((out.float() * go.float()).sum() + lse.nan_to_num(neginf=0.0).sum()).backward()
+        runs.append([out, lse, *(t.grad for t in leaves)])
+    for name, a, b_ in zip(("out", "lse", "dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b_), f"{name} differs between two runs: max {(a - b_).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("case", DETERMINISM)
+def test_runs_are_bitwise_equal(case, device):
+    _bitwise_runs(case, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DETERMINISM_GPU)
+def test_gpu_runs_are_bitwise_equal(case):
+    _bitwise_runs(case, "cuda")
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU: bf16, every head dim, larger shapes, poisoned buffers
 
