@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched session on a multi-GPU host: install, GPU tests, torchrun verification, ring + merge + LSE
 # toolkit benchmarks, each step under its own time limit so one slow step cannot starve the rest.
-# Usage: bash benchmarks/run_gpu_session.sh OUT_DIR [tests|final|all|lse|ring|ring2]   (all logs go to OUT_DIR/session.log)
+# Usage: bash benchmarks/run_gpu_session.sh OUT_DIR [tests|final|all|lse|ring|ring2|checks2|bench2]   (all logs go to OUT_DIR/session.log)
 set -uo pipefail
 out=${1:?output dir}; what=${2:-final}
 log="$out/session.log"
@@ -46,5 +46,19 @@ fi
 if [[ $what == ring2 ]]; then  # the ring benchmark on 2 of the GPUs (causal fwd+bwd)
     step 200 ring-bench-2 torchrun --nproc_per_node=2 benchmarks/ring.py --out "$out" --budget-s 0.25 \
         --gqa-kv-heads 0 --causal yes --modes fwd+bwd
+fi
+if [[ $what == checks2 ]]; then  # two GPUs: this version's GPU tests, masked verification, training
+    step 300 gpu-tests python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_ring_gpu.py \
+        tests/test_attention_hopper_gpu.py tests/test_triton_attention.py \
+        -k "windows_and_documents or dead_rank or never_reach or bitwise or bad_inputs"
+    step 60 verify-masks torchrun --nproc_per_node=2 launch/verify.py --seqlen 8192 --heads 8 --kv-heads 2 \
+        --head-dim 128 --causal yes --window 1024,0 --docs 6
+    step 90 train-2gpu-bf16 torchrun --nproc_per_node=2 launch/train.py --dtype bf16 --steps 20 --out "$out"
+fi
+if [[ $what == bench2 ]]; then  # two GPUs, every backend (fa4 where installed): ring vs context parallel, error growth
+    step 300 ring-bench-2 torchrun --nproc_per_node=2 benchmarks/ring.py --out "$out" --budget-s 0.25 \
+        --backends fa4 sdpa triton --seqlens 16384 32768 131072 --causal yes --modes fwd+bwd
+    step 90 error-growth-2 torchrun --nproc_per_node=2 benchmarks/error_growth.py --out "$out" \
+        --backends fa4 sdpa triton
 fi
 exit $rc

@@ -6,6 +6,8 @@ forward and backward, gathers, and on rank 0 compares with the float64 reference
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 import ringlse
@@ -13,6 +15,9 @@ from ringlse.testing import RESULT_NAMES as NAMES
 from ringlse.testing import attention_with_grads, judge_all, random_inputs, ring_with_grads
 
 
+# what a survivor of a dead or stalled rank raises: the phase, the ring step and the peer it waited for
+FAULT_RE = re.compile(r"^ring_attention: (agreement|forward|backward) step (\d+): waiting for (ranks? [\d, ]+) "
+                      r"\(global [\d, ]+\): ")
 GROWTH_BAR = 1.25  # CONVENTIONS.md §7: the error at W = 4 at most 1.25x the error at W = 1
 
 
@@ -30,14 +35,19 @@ def growth_failures(many: dict, one: dict, world: int) -> list[str]:
     return bad
 
 
+def rank_device() -> torch.device:
+    """This rank's device: its GPU on an NCCL group, else the CPU."""
+    nccl = torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
 def check_case(rank, world, case: dict) -> dict | None:
     """Run one case; rank 0 returns {'max_err': {...}, 'rms_err': {...}, 'verdicts': [...]} (float64 cases
     assert_close).
 
     On an NCCL group the inputs live on this rank's GPU and `case["backend"]` picks the block op."""
     dtype = case["dtype"]
-    nccl = torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = rank_device()
     q, k, v, dout, dlse = random_inputs(case["b"], case["s"], case["h"], case["hkv"], case["d"], dtype, case["seed"], device)
     # the lse gradient is exercised where exactness is checked (float64), unless a case says otherwise;
     # without one the differentiated call returns out alone (bf16 gradient messages for `sdpa`)
@@ -163,25 +173,28 @@ def nan_inputs_finish(rank, world) -> bool:
 
 def masked_rings(rank, world, cases: list[dict]) -> list[str]:
     """Rings with windows and documents (global boundaries crossing ranks) against the dense-mask
-    oracle, float64, forward and backward; returns the failures."""
+    oracle (float64 on the CPU), forward and backward; returns the failures. On an NCCL group the
+    inputs live on this rank's GPU; a case's `d` is the head dim (default 8)."""
     from mask_oracle import oracle
 
     failures = []
+    device = rank_device()
     for c in cases:
         s = c["s"]
         dtype = c.get("dtype", torch.float64)
-        q, k, v, dout, dlse = random_inputs(1, s, 4, 2, 8, torch.float64, seed=c["seed"])
-        low = [t.to(dtype) for t in (q, k, v, dout)]
+        q, k, v, dout, dlse = random_inputs(1, s, 4, 2, c.get("d", 8), torch.float64, seed=c["seed"])
+        low = [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
         kw = dict(causal=c["causal"], window_size=c["window"], cu_seqlens=c["docs"])
         local = [ringlse.shard(t, c["layout"]) for t in low]
         ql, kl, vl = (t.detach().requires_grad_() for t in local[:3])
         out, lse = ringlse.ring_attention(ql, kl, vl, layout=c["layout"], return_lse=True,
                                           backend=c.get("backend", "torch"), **kw)
         loss = (out.double() * local[3].double()).sum() + (
-            lse.double().nan_to_num(neginf=0.0) * ringlse.shard(dlse, c["layout"], dim=2)).sum()
+            lse.double().nan_to_num(neginf=0.0) * ringlse.shard(dlse.to(device), c["layout"], dim=2)).sum()
         loss.backward()
-        ours = [ringlse.unshard(t.detach(), c["layout"], dim=d)
+        ours = [ringlse.unshard(t.detach(), c["layout"], dim=d).cpu()
                 for t, d in ((out, 1), (lse, 2), (ql.grad, 1), (kl.grad, 1), (vl.grad, 1))]
+        low = [t.cpu() for t in low]
         leaves = [t.double().requires_grad_() for t in low[:3]]
         r_out, r_lse = oracle(*leaves, range(s), range(s), c["causal"], c["window"], c["docs"])
         ((r_out * low[3].double()).sum() + (r_lse.nan_to_num(neginf=0.0) * dlse).sum()).backward()
@@ -209,7 +222,7 @@ def _fault_op(victim: int, rank: int, where: str, call_no: int, action: str, sec
     import os
     import time
 
-    base = ringlse.get_block_op("torch", "cpu")
+    base = ringlse.get_block_op("torch", rank_device())
     calls = [0]
 
     def fault():
@@ -244,16 +257,20 @@ def _outcome(fn, *args, **kw) -> dict:
     return dict(returned=True, elapsed=time.monotonic() - t0)
 
 
-def ring_fault(rank, world, victim: int, where: str, action: str, timeout, seconds: float = 0.0) -> dict:
+def ring_fault(rank, world, victim: int, where: str, action: str, timeout, seconds: float = 0.0,
+               warm: bool = False) -> dict:
     """One ring call (forward and backward, contiguous and non-causal: one block call per step) during
     which rank `victim` exits or stalls `where`: before the agreement, or in its block op's forward or
     backward at step 1 (the second call: the own block is call 1; the backward's own block is split in
     two halves, the first before step 1). Survivors return what they got, then what a second call on
-    the same group gets (it must refuse at once: the failed call's messages may still be in flight)."""
+    the same group gets (it must refuse at once: the failed call's messages may still be in flight).
+    `warm`: a good ring call first (the fault then hits a group whose rings already ran)."""
     import time
 
     q, k, v = (torch.randn(1, 8, 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank * 3 + i))
-               .requires_grad_() for i in range(3))
+               .to(rank_device()).requires_grad_() for i in range(3))
+    if warm:
+        ringlse.ring_attention(q, k, v, layout="contiguous", backend="torch").sum().backward()
     call_no = 2
     op = _fault_op(victim, rank, where if where != "agreement" else "forward", call_no, action, seconds)
     # every rank has finished joining the group before anyone fails (an exit during the others'
@@ -268,6 +285,8 @@ def ring_fault(rank, world, victim: int, where: str, action: str, timeout, secon
     def call():
         out = ringlse.ring_attention(q, k, v, layout="contiguous", backend=op, timeout=timeout)
         out.sum().backward()
+        if q.is_cuda:  # a result is only a result once the GPU has computed it (a stuck stream hangs here)
+            torch.cuda.synchronize()
 
     first = _outcome(call)
     first["again"] = _outcome(call) if not first["returned"] else None

@@ -6,8 +6,6 @@ deterministic. README "Failure behaviour" states what these tests check."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -20,8 +18,7 @@ from mask_oracle import oracle
 
 W = 3
 VICTIM = 1
-FAULT_RE = re.compile(r"^ring_attention: (agreement|forward|backward) step (\d+): waiting for (ranks? [\d, ]+) "
-                      r"\(global [\d, ]+\): ")
+FAULT_RE = rw.FAULT_RE
 
 
 @pytest.fixture(scope="module")

@@ -80,3 +80,59 @@ def test_ring_gpu_bad_inputs_raise_on_every_rank(world, tmp_path):
     for rank, results in enumerate(per_rank):
         for name, raised, message in results:
             assert raised, f"W={world} rank {rank}: {name}: {message}"
+
+
+# windows shorter than a shard (owner-to-reader route), documents crossing the ranks' boundaries
+MASKED = [
+    dict(causal=True, window=(100, 0), docs=None),
+    dict(causal=True, window=(-1, -1), docs=[0, 300, 301, 700, 1024]),
+    dict(causal=False, window=(37, 50), docs=[0, 1, 600, 1024]),
+    dict(causal=True, window=(600, 0), docs=[0, 512, 1024]),
+]
+
+
+@pytest.mark.parametrize("transport", ["copy", "nccl"])
+def test_ring_gpu_windows_and_documents(transport, tmp_path, monkeypatch):
+    """Masked rings over NCCL ranks against the dense-mask float64 oracle, every layout, forward and
+    backward: the `torch` op in float64 (exact) and the `triton` op in float32 (CONVENTIONS.md §7),
+    K/V pulled by copy engines or sent by NCCL (the owner-to-reader route where the mask allows)."""
+    world = 2
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    monkeypatch.setenv("RINGLSE_KV_TRANSPORT", transport)  # the spawned ranks inherit it
+    cases = [dict(s=1024, layout=layout, seed=40 + i, **m, **dt)
+             for i, (m, layout) in enumerate(itertools.product(MASKED, ("contiguous", "zigzag", "stripe")))
+             for dt in (dict(dtype=torch.float64, backend="torch"), dict(dtype=torch.float32, backend="triton", d=64))]
+    failures = [f for fs in run_ranks(rw.masked_rings, world, tmp_path, cases, timeout=400, backend="nccl") for f in fs]
+    assert not failures, "\n".join(failures[:10])
+
+
+# (victim's fault, ring timeout=, RINGLSE_KV_TRANSPORT, a good ring call first, the group's timeout, phases the
+# survivor may name, bound in seconds). Before the group's first ring call its gloo twin (the agreement's
+# group) does not exist yet, and a dead member never joins it: the survivor waits the group's timeout.
+NCCL_FAULTS = {
+    "exit-before-first-agreement": ("agreement", None, "nccl", False, 20.0, {"agreement"}, 20.0 + 10.0),
+    "exit-before-agreement": ("agreement", None, "nccl", True, 60.0, {"agreement"}, 10.0),
+    "exit-in-forward-nccl": ("forward", 5.0, "nccl", True, 60.0, {"forward", "backward"}, 5.0 + 10.0),
+    "exit-in-backward-nccl": ("backward", 5.0, "nccl", True, 60.0, {"backward"}, 5.0 + 10.0),
+    "exit-in-forward-copy": ("forward", 5.0, "copy", True, 60.0, {"forward", "backward"}, 5.0 + 10.0),
+}
+
+
+@pytest.mark.parametrize("name", list(NCCL_FAULTS))
+def test_ring_gpu_dead_rank_raises_on_the_survivor(name, tmp_path, monkeypatch):
+    """A rank of a W = 2 NCCL ring exits: the survivor raises `RuntimeError` naming the phase, the step
+    and the dead peer within `timeout=` plus a few seconds (the agreement runs on a gloo twin, which
+    notices a closed connection at once), returns no result, and refuses later calls on the group."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    where, timeout, transport, warm, pg_timeout, phases, bound = NCCL_FAULTS[name]
+    monkeypatch.setenv("RINGLSE_KV_TRANSPORT", transport)
+    got = run_ranks(rw.ring_fault, 2, tmp_path, 1, where, "exit", timeout, 0.0, warm, backend="nccl",
+                    pg_timeout=pg_timeout, may_exit=[1], hard_exit=True, timeout=bound + 30)[0]
+    assert not got["returned"] and got["type"] == "RuntimeError", f"{name}: {got}"
+    m = rw.FAULT_RE.match(got["message"])
+    assert m and m.group(1) in phases and m.group(3) == "rank 1", f"{name}: {got['message']!r}"
+    assert got["elapsed"] < bound, f"{name}: raised after {got['elapsed']:.1f} s (bound {bound} s)"
+    again = got["again"]
+    assert again["type"] == "RuntimeError" and "earlier call on this process group failed" in again["message"]

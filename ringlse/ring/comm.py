@@ -239,9 +239,14 @@ class RingComm:
         the ranks (`ringlse.ring.agree`); every rank calls it once per ring call. Its waits last at
         most `timeout` (None: the group's)."""
         if self.world > 1 and self.backend != "gloo" and self._gloo_twin is None:
-            # only the members take part in making it; it waits as long as the group would
-            self._gloo_twin = dist.new_group(self.global_ranks, backend="gloo", timeout=self.timeout(),
-                                             use_local_synchronization=True)
+            # only the members take part in making it; it waits as long as the group would. A member
+            # that died before its first ring call never joins: every other one raises (the rows of
+            # step 0 cannot arrive), naming all the others, since the store does not say who is missing
+            try:
+                self._gloo_twin = dist.new_group(self.global_ranks, backend="gloo", timeout=self.timeout(),
+                                                 use_local_synchronization=True)
+            except Exception as e:  # noqa: BLE001 - a store timeout or a closed connection: a fault
+                raise self.fault("agreement", 0, self._others(), e) from e
         limit = self.timeout() if timeout is None else timeout
         return post_agreement(self.rank, self.world, self._host_group(), meta, error, limit=limit,
                               fault=lambda step, peers, e: self.fault("agreement", step, peers, e),
