@@ -235,10 +235,12 @@ class Intervals(NamedTuple):
         rows = slice(int(seen[0]), int(seen[-1]) + 1)
         return rows.start, rows.stop, int(self.key_lo[rows].min()), int(self.key_hi[rows].max())
 
-    def dense(self) -> torch.Tensor:
-        """`[sq, sk]` bool (for the PyTorch op, which forms the scores anyway)."""
-        j = torch.arange(self.query_lo.numel(), device=self.key_lo.device)
-        return (j[None, :] >= self.key_lo[:, None]) & (j[None, :] < self.key_hi[:, None])
+    def dense(self, device: torch.device | str) -> torch.Tensor:
+        """`[sq, sk]` bool on `device` (for the PyTorch op, which forms the scores anyway; plans keep
+        their intervals on the CPU)."""
+        lo, hi = self.key_lo.to(device, non_blocking=True), self.key_hi.to(device, non_blocking=True)
+        j = torch.arange(self.query_lo.numel(), device=device)
+        return (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
 
 
 def block_intervals(rule: Rule, q: Span, k: Span, device: torch.device | str | None = None) -> Intervals:

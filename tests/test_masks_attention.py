@@ -54,6 +54,19 @@ def test_attention_matches_the_oracle(causal, window, docs):
     _check(ours, ref)
 
 
+def test_torch_backend_takes_masks_on_the_inputs_device(device):
+    """The `torch` op builds its dense mask from the plan's intervals (kept on the CPU) on the scores'
+    device: on a GPU a mask left on the CPU failed every masked `torch` call (found by the 2-GPU ring
+    tests). float64 on the inputs' device against the oracle."""
+    q, k, v, dout, dlse = _inputs(2, 13, 13, 4, 2, 8, seed=2)
+    window, bounds = (3, 1), [0, 1, 1, 5, 13]
+    ours = _grads(lambda *t: ringlse.attention(*t, causal=True, window_size=window, cu_seqlens=bounds,
+                                               return_lse=True, backend="torch"),
+                  *(t.to(device) for t in (q, k, v, dout, dlse)))
+    ref = _grads(lambda *t: oracle(*t, range(13), range(13), True, window, bounds), q, k, v, dout, dlse)
+    _check([t.cpu() for t in ours], ref)
+
+
 @pytest.mark.parametrize(("q_start", "k_start"), [(0, 0), (5, 0), (0, 6), (20, 3)], ids=str)
 @pytest.mark.parametrize("window", [(-1, -1), (4, 1)], ids=["nowin", "win"])
 def test_block_attention_at_global_positions(q_start, k_start, window):

@@ -21,7 +21,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, q_star
     qg = q.to(acc).reshape(b, sq, hkv, h // hkv, d)
     s = torch.einsum("bikgd,bjkd->bkgij", qg, k.to(acc)) * scale
     if intervals is not None:
-        s = s.masked_fill(~intervals.dense(), float("-inf"))
+        s = s.masked_fill(~intervals.dense(s.device), float("-inf"))
     elif causal:
         s = s.masked_fill(~visibility_mask(sq, k.shape[1], q_start, k_start, device=q.device), float("-inf"))
     return s
