@@ -526,3 +526,25 @@ def long_error(rank, world) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def host_check(rank, world, victim: int | None) -> dict:
+    """The copy-engine transport's first-call host check (`use_copy_engines`) as an NCCL group's
+    comm runs it, on the host over a gloo twin of the group (`RingComm.host_group`): with every rank,
+    or with rank `victim` gone before it. CPU ranks stand in for the GPUs: the comm is told its group
+    is NCCL's and K/V go by NCCL (`RINGLSE_KV_TRANSPORT=nccl`), so nothing touches a GPU."""
+    import datetime
+    import os
+
+    from ringlse.ring.comm import RingComm
+    from ringlse.ring.pull import use_copy_engines
+
+    os.environ["RINGLSE_KV_TRANSPORT"] = "nccl"
+    comm = RingComm(None)
+    comm.backend = "nccl"
+    comm._timeout = datetime.timedelta(seconds=10)  # the group's timeout, as an NCCL group would report it
+    torch.distributed.barrier()
+    if rank == victim:
+        os._exit(0)
+    got = _outcome(use_copy_engines, comm)
+    return dict(got, same_host=comm.same_host, failed=comm.failed)

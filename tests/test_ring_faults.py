@@ -289,3 +289,18 @@ def test_torch_backend_ring_is_deterministic(pool2):
              for dt in (torch.float32, torch.bfloat16) for c, lay in ((True, "zigzag"), (False, "stripe"))]
     failures = [f for fs in pool2.run(rw.deterministic_ring, cases, timeout=120) for f in fs]
     assert not failures, "\n".join(failures)
+
+
+def test_the_host_check_runs_on_the_host_and_names_a_dead_rank(tmp_path):
+    """The copy-engine transport asks once per group whether every rank shares this host. It asks
+    over the agreement's gloo group, not by an NCCL collective (one of those, with a rank dead before
+    the group's first ring call, left the survivor waiting on the GPU past the watchdog on 2xH100):
+    with every rank it answers, with one gone the others raise the agreement's RuntimeError within
+    the group's timeout (10 s here)."""
+    ok = run_ranks(rw.host_check, 2, tmp_path, None, timeout=60)
+    assert all(r["returned"] and r["same_host"] is True and r["failed"] is None for r in ok), ok
+    got = run_ranks(rw.host_check, 2, tmp_path, 1, may_exit=[1], hard_exit=True, timeout=60)[0]
+    assert not got["returned"] and got["type"] == "RuntimeError", got
+    m = FAULT_RE.match(got["message"])
+    assert m and m.group(1) == "agreement" and m.group(3) == "rank 1", got
+    assert got["elapsed"] < 10.0 + 5.0 and got["failed"] is not None, got

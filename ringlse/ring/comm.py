@@ -238,17 +238,8 @@ class RingComm:
         """Start comparing `meta` (ints describing this rank's inputs) and its local `error` across
         the ranks (`ringlse.ring.agree`); every rank calls it once per ring call. Its waits last at
         most `timeout` (None: the group's)."""
-        if self.world > 1 and self.backend != "gloo" and self._gloo_twin is None:
-            # only the members take part in making it; it waits as long as the group would. A member
-            # that died before its first ring call never joins: every other one raises (the rows of
-            # step 0 cannot arrive), naming all the others, since the store does not say who is missing
-            try:
-                self._gloo_twin = dist.new_group(self.global_ranks, backend="gloo", timeout=self.timeout(),
-                                                 use_local_synchronization=True)
-            except Exception as e:  # noqa: BLE001 - a store timeout or a closed connection: a fault
-                raise self.fault("agreement", 0, self._others(), e) from e
         limit = self.timeout() if timeout is None else timeout
-        return post_agreement(self.rank, self.world, self._host_group(), meta, error, limit=limit,
+        return post_agreement(self.rank, self.world, self.host_group(), meta, error, limit=limit,
                               fault=lambda step, peers, e: self.fault("agreement", step, peers, e),
                               describe=describe)
 
@@ -266,8 +257,20 @@ class RingComm:
         """The process group object (the default group for `group=None`)."""
         return self.group if self.group is not None else dist.group.WORLD
 
-    def _host_group(self) -> dist.ProcessGroup | None:
-        """The gloo group the host-side agreement runs over."""
+    def host_group(self) -> dist.ProcessGroup | None:
+        """The gloo group that host-side exchanges (the agreement, the host check of the copy-engine
+        transport) run over: the group itself, or for another backend a gloo twin of the same ranks,
+        made at the group's first ring call. Only the members take part in making it, and it waits as
+        long as the group would. A member that died before that call never joins: every other one
+        raises the agreement's `RuntimeError`, naming all the others (the store does not say who is
+        missing). NCCL collectives are never used for these: a dead peer would leave them waiting
+        on the GPU, where only the watchdog ends them."""
+        if self.world > 1 and self.backend != "gloo" and self._gloo_twin is None:
+            try:
+                self._gloo_twin = dist.new_group(self.global_ranks, backend="gloo", timeout=self.timeout(),
+                                                 use_local_synchronization=True)
+            except Exception as e:  # noqa: BLE001 - a store timeout or a closed connection: a fault
+                raise self.fault("agreement", 0, self._others(), e) from e
         return self.group if self._gloo_twin is None else self._gloo_twin
 
 

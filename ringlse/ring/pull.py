@@ -21,12 +21,15 @@ nccl` turns it off, `=copy` insists on it.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 import socket
 
 import torch
 import torch.distributed as dist
+
+from ringlse.ring.comm import Pending
 
 # Workspaces live on the group's `RingComm` (`pull_workspaces`: device -> [buffer, handle, calls
 # published, {(rank, shape, dtype, offset): view}]; outgrown ones in `retired_workspaces`, since peers
@@ -53,13 +56,17 @@ def use_copy_engines(comm) -> bool:
     if comm.world == 1 or comm.backend != "nccl":
         return False
     if comm.same_host is None:
-        # a tensor gather of host-name digests (object collectives need numpy; Python's hash() differs
-        # between processes): NCCL moves CUDA tensors only
+        # a gather of host-name digests (object collectives need numpy; Python's hash() differs between
+        # processes) over the gloo group of the agreement, on the host and bounded like it: an NCCL
+        # collective here would leave the survivors of a rank that died before the group's first ring
+        # call waiting on the GPU until the watchdog (seen on 2xH100)
         digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest()
-        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device="cuda")
-        hosts = torch.empty(comm.world, dtype=torch.int64, device="cuda")
-        dist.all_gather_into_tensor(hosts, mine, group=comm.group)
-        comm.same_host = bool((hosts == hosts[0]).all())
+        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+        hosts = [torch.empty(1, dtype=torch.int64) for _ in range(comm.world)]
+        work = dist.all_gather(hosts, mine, group=comm.host_group(), async_op=True)
+        comm.wait([Pending(work, tuple(r for r in range(comm.world) if r != comm.rank), 0)], "agreement",
+                  comm.timeout())
+        comm.same_host = all(int(h) == int(hosts[0]) for h in hosts)
     choice = os.environ.get("RINGLSE_KV_TRANSPORT", "auto")
     if choice not in ("auto", "nccl", "copy"):
         raise ValueError(f"RINGLSE_KV_TRANSPORT={choice!r}: choose auto, nccl or copy")
@@ -136,9 +143,12 @@ class PulledKV:
             view = self.views[key] = self.handle.get_buffer(rank, self.shape, self.dtype, self.offset)
         return view
 
-    def publish(self) -> None:
+    def publish(self, limit: datetime.timedelta) -> None:
         """Make our K/V readable by the group (after the ranks agreed on their inputs: growing the
-        workspace is a collective)."""
+        workspace is a collective). The GPU-side barrier waits at most `limit` for the peers: past it
+        the barrier kernel traps, which leaves this process's CUDA context unusable (later CUDA calls
+        raise) instead of a stream that waits for a dead peer forever and hangs every later device-wide
+        synchronisation (NCCL's abort after a timed-out transfer included: seen on 2xH100)."""
         ws = self.workspaces.get(self.key)
         if ws is None or ws[0].numel() < 2 * self.nbytes:
             symm_mem = _symm_mem()
@@ -152,7 +162,8 @@ class PulledKV:
             if self.handle is None:  # packed outside the workspace (first call, or it grew)
                 region = self._region(ws)
                 region.copy_(self.kv)
-            self.handle.barrier(channel=0)  # every rank's K/V is published
+            # every rank's K/V is published
+            self.handle.barrier(channel=0, timeout_ms=max(1, int(limit.total_seconds() * 1000)))
         ws[2] += 1
 
     def finish(self) -> None:
