@@ -193,12 +193,13 @@ def headline_ring(path: Path, d: dict) -> list[list[str]]:
         parts = []
         for r in sorted((r for r in recs if r["impl"] == impl), key=lambda r: r["seqlen"]):
             c = cp.get(r["seqlen"])
-            vs = f" ({r['ms']:.2f} vs {c['ms']:.2f} ms)" if c else ""
-            parts.append(f"S {_k(r['seqlen'])}: **{_fmt(r.get('time_ratio_to_torch_cp'))}×** CP's time{vs}, "
-                         f"efficiency {_fmt(r.get('efficiency'))}")
+            vs = (f"**{_fmt(r.get('time_ratio_to_torch_cp'))}×** CP's time ({r['ms']:.2f} vs {c['ms']:.2f} ms)"
+                  if c else f"{r['ms']:.2f} ms (CP not measured)")
+            parts.append(f"S {_k(r['seqlen'])}: {vs}, efficiency {_fmt(r.get('efficiency'))}")
         if parts:
             backend = impl.split("-", 1)[1]
-            rows.append([f"ring attention, `{backend}` backend, vs PyTorch context parallel (CP): "
+            cut = "" if d.get("complete", True) else " (run cut short: the rows it measured)"
+            rows.append([f"ring attention, `{backend}` backend, vs PyTorch context parallel (CP){cut}: "
                          f"{env['gpus']}× {env['gpu'].replace('NVIDIA ', '')}, causal fwd+bwd, {recs[0]['heads']} "
                          f"heads × d {recs[0]['head_dim']}, bf16", "; ".join(parts), _src(path)])
     return rows
