@@ -193,13 +193,14 @@ class RingComm:
             except Exception as e:  # noqa: BLE001 - any failure of a transfer is a fault of the ring
                 raise self.fault(phase, p.step, p.peers, e) from e
 
-    def _others(self) -> list[int]:
+    def others(self) -> list[int]:
+        """The group ranks other than this one."""
         return [r for r in range(self.world) if r != self.rank]
 
     def fault(self, phase: str, step: int, peers: Sequence[int], original: BaseException) -> RuntimeError:
         """The `RuntimeError` of a failed or timed-out wait of ring step `step` in `phase` for the group
         ranks `peers`; marks this comm failed (see the module docstring)."""
-        peers = list(peers) or self._others()
+        peers = list(peers) or self.others()
         who = (f"rank {peers[0]} (global {self.global_ranks[peers[0]]})" if len(peers) == 1 else
                f"ranks {', '.join(map(str, peers))} (global {', '.join(str(self.global_ranks[p]) for p in peers)})")
         message = f"ring_attention: {phase} step {step}: waiting for {who}: {original}"
@@ -270,7 +271,7 @@ class RingComm:
                 self._gloo_twin = dist.new_group(self.global_ranks, backend="gloo", timeout=self.timeout(),
                                                  use_local_synchronization=True)
             except Exception as e:  # noqa: BLE001 - a store timeout or a closed connection: a fault
-                raise self.fault("agreement", 0, self._others(), e) from e
+                raise self.fault("agreement", 0, self.others(), e) from e
         return self.group if self._gloo_twin is None else self._gloo_twin
 
 

@@ -64,8 +64,7 @@ def use_copy_engines(comm) -> bool:
         mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
         hosts = [torch.empty(1, dtype=torch.int64) for _ in range(comm.world)]
         work = dist.all_gather(hosts, mine, group=comm.host_group(), async_op=True)
-        comm.wait([Pending(work, tuple(r for r in range(comm.world) if r != comm.rank), 0)], "agreement",
-                  comm.timeout())
+        comm.wait([Pending(work, tuple(comm.others()), 0)], "agreement", comm.timeout())
         comm.same_host = all(int(h) == int(hosts[0]) for h in hosts)
     choice = os.environ.get("RINGLSE_KV_TRANSPORT", "auto")
     if choice not in ("auto", "nccl", "copy"):
