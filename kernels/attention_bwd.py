@@ -399,19 +399,24 @@ def _backward_impl(
         )
 
     if config is not None:
-        launch_dkdv(config)
-        launch_dq(config)
+        if dk_acc is not None:
+            launch_dkdv(config)
+        if dq_acc is not None:
+            launch_dq(config)
         return
     key = (d, q.dtype, causal, q.device.index, intervals)
     # interval masks take the causal configs (masked tiles at the edges, like a causal block)
     configs = bwd_configs(d, q.dtype, causal or intervals)
-    if not intervals and hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, dout):
+    if dk_acc is None:
+        pass
+    elif not intervals and hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, dout):
         # sm_90, bf16/fp16, head dim 64/128: the Gluon dk/dv kernel (TMA, warp-specialized WGMMA)
         hopper_dkdv(dout, q, k, v, lse, delta, dk_acc, dv_acc, qk_scale=qk_scale, dk_scale=dk_scale,
                     causal=causal, offset=offset)
     else:
         launch_with_fallback(DKDV_CHOSEN, key, configs, launch_dkdv)
-    launch_with_fallback(DQ_CHOSEN, key, configs, launch_dq)
+    if dq_acc is not None:
+        launch_with_fallback(DQ_CHOSEN, key, configs, launch_dq)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -452,9 +457,9 @@ def attention_backward(
     causal: bool,
     q_start: int,
     k_start: int,
-    dq_acc: torch.Tensor,
-    dk_acc: torch.Tensor,
-    dv_acc: torch.Tensor,
+    dq_acc: torch.Tensor | None,
+    dk_acc: torch.Tensor | None,
+    dv_acc: torch.Tensor | None,
     lse_grad: torch.Tensor | None = None,
     key_lo: torch.Tensor | None = None,
     key_hi: torch.Tensor | None = None,
@@ -478,7 +483,9 @@ def attention_backward(
         delta: `[b, h, sq]` float32, `rowsum(dout * out)` (minus any lse gradient).
         softmax_scale, causal, q_start, k_start: as in `attention_forward`.
         dq_acc: float32 `[b, sq, h, d]`; dk_acc, dv_acc: float32 `[b, sk, hkv, d]` (views allowed, last
-            dim contiguous); this block's gradients are added in place.
+            dim contiguous); this block's gradients are added in place. `dq_acc=None` skips the dq
+            kernel, `dk_acc=dv_acc=None` the dk/dv kernel (a caller that sends dk/dv in pieces of
+            keys computes dq once over all of them).
         lse_grad: unused: the block-op contract has it folded into `delta` already.
         key_lo, key_hi, query_lo, query_hi: optional, all four or none: an interval mask (see
             `attention_forward`). `key_lo`, `key_hi`: int32 `[sq]`, query `i` sees keys
@@ -502,9 +509,11 @@ def attention_backward(
         raise ValueError(f"{what}: dout {tuple(dout.shape)} must match q {tuple(q.shape)}")
     if tuple(lse.shape) != (b, h, sq) or tuple(delta.shape) != (b, h, sq):
         raise ValueError(f"{what}: lse and delta must be {(b, h, sq)}, got {tuple(lse.shape)}, {tuple(delta.shape)}")
-    check_accumulator(dq_acc, q.shape, q.device, what, "dq_acc")
-    check_accumulator(dk_acc, k.shape, k.device, what, "dk_acc")
-    check_accumulator(dv_acc, v.shape, v.device, what, "dv_acc")
+    if (dk_acc is None) != (dv_acc is None):
+        raise ValueError(f"{what}: pass both dk_acc and dv_acc, or neither")
+    for acc, shape, name in ((dq_acc, q.shape, "dq_acc"), (dk_acc, k.shape, "dk_acc"), (dv_acc, v.shape, "dv_acc")):
+        if acc is not None:
+            check_accumulator(acc, shape, q.device, what, name)
     given = [t is not None for t in (key_lo, key_hi, query_lo, query_hi)]
     if any(given) and not all(given):
         raise ValueError(f"{what}: pass all of key_lo, key_hi, query_lo, query_hi, or none")

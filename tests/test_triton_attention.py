@@ -287,6 +287,27 @@ def test_backward_empty_block_is_noop(device):
     assert torch.equal(acc, before)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_halves_add_up_bitwise(causal, device):
+    """`dq_acc=None` runs the dk/dv kernel alone, `dk_acc=dv_acc=None` the dq kernel alone (the ring's
+    dk/dv pieces): each gives, bit for bit, its part of the whole call, and leaves the other untouched."""
+    q, k, v = _draw(1, 45, 61, 4, 2, 32, torch.float32, device, seed=13)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(14)).to(device)
+    kw = dict(softmax_scale=0.2, causal=causal, q_start=30, k_start=0)
+    out, lse = attention_forward(q, k, v, **kw)
+    delta = attention_delta(do, out)
+    whole = [torch.zeros(t.shape, device=device) for t in (q, k, v)]
+    attention_backward(do, q, k, v, out, lse, delta, **kw, dq_acc=whole[0], dk_acc=whole[1], dv_acc=whole[2])
+    dq = torch.zeros_like(whole[0])
+    attention_backward(do, q, k, v, out, lse, delta, **kw, dq_acc=dq, dk_acc=None, dv_acc=None)
+    dk, dv = torch.zeros_like(whole[1]), torch.zeros_like(whole[2])
+    attention_backward(do, q, k, v, out, lse, delta, **kw, dq_acc=None, dk_acc=dk, dv_acc=dv)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), whole):
+        assert torch.equal(got, want), name
+    with pytest.raises(ValueError, match="both dk_acc and dv_acc"):
+        attention_backward(do, q, k, v, out, lse, delta, **kw, dq_acc=dq, dk_acc=dk, dv_acc=None)
+
+
 def test_attention_api_bottom_right(device):
     # sq != sk aligns bottom-right (CONVENTIONS.md §4); through the autograd wrapper
     q, k, v = _draw(1, 30, 70, 2, 2, 64, torch.float16, device, seed=13)

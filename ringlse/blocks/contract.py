@@ -27,7 +27,8 @@ backward(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_st
     ignore `lse_grad`; kernels that compute `rowsum(dout * out)` themselves (cuDNN, flash-attn) add its
     term from it, so nobody has to compare two deltas on the host. Adds this block's gradients into
     the float32/float64 accumulators `dq_acc` `[b, sq, h, d]`, `dk_acc`, `dv_acc` `[b, sk, hkv, d]`
-    (views allowed). Returns nothing.
+    (views allowed). Returns nothing. Ops with `split_backward` also take `dq_acc=None` (dk/dv
+    alone) or `dk_acc=dv_acc=None` (dq alone).
 
 backward_parts(dout, q, k, v, out, lse, delta, *, softmax_scale, causal, q_start, k_start, lse_grad=None)
     Optional, for ops whose kernels return gradients as new tensors (cuDNN, flash-attn): the same
@@ -107,6 +108,10 @@ class BlockOp:
     # `k_start`: one window rule over the block, which callers cut to the rows that see keys and the
     # keys they see (documents are cut per document); FlashAttention-4 has windows natively
     takes_window: bool = False
+    # backward takes `dq_acc=None` (dk/dv alone) or `dk_acc=dv_acc=None` (dq alone): the ring then
+    # computes a step's dk/dv in pieces of keys, each sent home while the next is built, and its dq
+    # once (`ringlse.ring.loop`)
+    split_backward: bool = False
 
     def compute_delta(self, dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.delta is not None:

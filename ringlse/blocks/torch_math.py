@@ -67,9 +67,9 @@ def torch_block_backward(
     causal: bool,
     q_start: int,
     k_start: int,
-    dq_acc: torch.Tensor,
-    dk_acc: torch.Tensor,
-    dv_acc: torch.Tensor,
+    dq_acc: torch.Tensor | None,
+    dk_acc: torch.Tensor | None,
+    dv_acc: torch.Tensor | None,
     lse_grad: torch.Tensor | None = None,  # already in delta (block-op contract)
     intervals: Intervals | None = None,
 ) -> None:
@@ -82,11 +82,15 @@ def torch_block_backward(
     # P from the *global* lse; rows whose global lse is -inf saw nothing anywhere: P = 0 there
     p = torch.exp(s - torch.where(torch.isneginf(lse_g), torch.zeros_like(lse_g), lse_g))
     dout_g = dout.to(acc).reshape(b, sq, hkv, g, d)
-    dv_acc += torch.einsum("bkgij,bikgd->bjkd", p, dout_g)
+    if dv_acc is not None:
+        dv_acc += torch.einsum("bkgij,bikgd->bjkd", p, dout_g)
     dp = torch.einsum("bikgd,bjkd->bkgij", dout_g, v.to(acc))
     ds = p * (dp - delta.to(acc).reshape(b, hkv, g, sq, 1)) * softmax_scale
-    dq_acc += torch.einsum("bkgij,bjkd->bikgd", ds, k.to(acc)).reshape(b, sq, h, d)
-    dk_acc += torch.einsum("bkgij,bikgd->bjkd", ds, q.to(acc).reshape(b, sq, hkv, g, d))
+    if dq_acc is not None:
+        dq_acc += torch.einsum("bkgij,bjkd->bikgd", ds, k.to(acc)).reshape(b, sq, h, d)
+    if dk_acc is not None:
+        dk_acc += torch.einsum("bkgij,bikgd->bjkd", ds, q.to(acc).reshape(b, sq, hkv, g, d))
 
 
-TORCH_BLOCK_OP = BlockOp("torch", torch_block_forward, torch_block_backward, takes_intervals=True)
+TORCH_BLOCK_OP = BlockOp("torch", torch_block_forward, torch_block_backward, takes_intervals=True,
+                         split_backward=True)
