@@ -1,6 +1,6 @@
 """The ring's step plans, checked exhaustively against global positions: every visible (query, key)
 pair is covered exactly once, nothing invisible is attended, and the backward's split of the own
-block into two halves of keys covers the same set."""
+block into two halves of keys, and the backward's pieces of keys for dk/dv messages, cover the same set."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from ringlse.ring.plan import LAYOUTS, local_positions, plan_step
 from ringlse.masks import BlockKind, block_kind, visibility_mask
-from ringlse.ring.plan import split_keys
+from ringlse.ring.plan import key_pieces, split_keys
 
 
 def _covered(calls, n: int) -> torch.Tensor:
@@ -54,3 +54,19 @@ def test_split_keys_partitions_the_own_block(layout, world, n, causal):
             first, last = split_keys(plan, m)
             assert all(c.k1 <= m for c in first) and all(c.k0 >= m for c in last)
             assert torch.equal(_covered(first + last, n), _covered(plan, n)), (rank, m)
+
+
+@pytest.mark.parametrize("layout,world,n,causal", [(lay, w, n, c) for lay, w, n, c in
+                                                   itertools.product(LAYOUTS, (3, 4), (130, 150, 256), (False, True))],
+                         ids=lambda x: str(x))
+def test_key_pieces_partition_every_step(layout, world, n, causal):
+    """Pieces of at most 64 keys here (n / 4 rounded up to a tile), in key order, none empty, covering
+    each step's pairs exactly as its plan does."""
+    for rank, src in itertools.product(range(world), repeat=2):
+        plan = plan_step(layout, rank, src, world, n, causal)
+        pieces = key_pieces(plan, n, 4)
+        assert all(pieces) and sum(map(len, pieces)) >= len(plan)
+        bounds = [(min(c.k0 for c in p), max(c.k1 for c in p)) for p in pieces]
+        assert all(lo // 64 == (hi - 1) // 64 for lo, hi in bounds), bounds
+        assert all(a[1] <= b[0] for a, b in zip(bounds, bounds[1:])), bounds
+        assert torch.equal(_covered([c for p in pieces for c in p], n), _covered(plan, n)), (rank, src)

@@ -31,6 +31,11 @@ def _cases(world: int) -> list[dict]:
     for layout in LAYOUTS:
         cases.append(dict(b=1, s=unit * 8, h=4, hkv=2, d=64, dtype=torch.bfloat16, causal=True, layout=layout, seed=4))
     cases.append(dict(b=1, s=unit * 8, h=4, hkv=2, d=64, dtype=torch.bfloat16, causal=False, layout="contiguous", seed=5))
+    # from W = 3 the backward sends dk/dv home in pieces of keys (ringlse.ring.backward.DKV_PIECES): 150 local
+    # keys go as pieces of 64, 64 and 22, each call cut where a piece ends
+    for layout, causal in itertools.product(LAYOUTS, (False, True)):
+        cases.append(dict(b=2, s=150 * world, h=2, hkv=1, d=16, dtype=torch.float64, causal=causal, layout=layout,
+                          seed=6))
     return cases
 
 
@@ -104,6 +109,18 @@ def test_ring_with_triton_kernels_under_interpreter(tmp_path):
     for case, result in zip(cases, per_rank[0]):
         for name, ok, text in result["verdicts"]:
             assert ok, f"{case['dtype']} {case['layout']}: {text}"
+
+
+def test_ring_with_triton_kernels_in_pieces_under_interpreter(tmp_path):
+    """W = 3, where the backward computes dk/dv in pieces of keys (dq alone once per step: the kernels'
+    `dq_acc=None` / `dk_acc=dv_acc=None`): 150 local keys, pieces of 64, 64 and 22."""
+    pytest.importorskip("triton")
+    cases = [dict(b=1, s=450, h=2, hkv=1, d=16, dtype=torch.float32, causal=c, layout=lay, seed=7, backend="triton")
+             for lay, c in (("zigzag", True), ("contiguous", False))]
+    per_rank = run_ranks(rw.battery, 3, tmp_path, cases, timeout=400)
+    for case, result in zip(cases, per_rank[0]):
+        for name, ok, text in result["verdicts"]:
+            assert ok, f"{case['layout']}: {text}"
 
 
 def _sdpa_cpu_cases(world: int) -> list[dict]:

@@ -3,9 +3,9 @@
 Forward, W steps: post the exchange of the current K/V (one packed buffer) with the ring neighbours,
 attend the local queries to the held K/V (merging into float32 accumulators inside the block op, or,
 for ops that return their states as tensors, keeping them as parts merged once at the end), wait,
-swap buffers. Backward reuses the global `out`/`lse`, computes `delta` once, brings the K/V
-round the ring again, keeps `dq` locally and sends each block's `dk`/`dv` straight to the block's
-owner, which sums them once at the end (CONVENTIONS.md §6 lets partial sums travel the ring instead; sending
+swap buffers. Backward (`ringlse.ring.backward`) reuses the global `out`/`lse`, computes `delta`
+once, brings the K/V round the ring again, keeps `dq` locally and sends each block's `dk`/`dv`
+straight to the block's owner (CONVENTIONS.md §6 lets partial sums travel the ring instead; sending
 parts home costs the same transfers, needs no float32 accumulator per hop, and lets bf16 kernel
 outputs travel as they are). The rank's own block hides the first transfer (and, split in two by
 keys in the backward, the last one). The block op is a parameter, so the same loop runs on gloo/CPU
@@ -29,15 +29,16 @@ import torch.distributed as dist
 
 from ringlse import library
 from ringlse.blocks import get_block_op
-from ringlse.blocks.contract import BlockCall, BlockOp, planned_attention
+from ringlse.blocks.contract import BlockOp, planned_attention
 from ringlse.checks import SUPPORTED_DTYPES, check_flag, check_qkv, check_scale, lse_dtype
 from ringlse.masks import Rule, check_docs, check_window
-from ringlse.merge import PartSum, StateMerge, sum_parts
+from ringlse.merge import StateMerge
 from ringlse.ring.agree import Agreement
 from ringlse.ring.comm import RingComm
-from ringlse.ring.plan import LAYOUTS, Route, check_layout, default_layout, kv_route, split_keys, step_plans
+from ringlse.ring.backward import ring_backward
+from ringlse.ring.plan import LAYOUTS, Route, check_layout, default_layout, kv_route, step_plans
 from ringlse.ring.pull import use_copy_engines
-from ringlse.ring.transport import DKV_TAG, held_blocks, own_kv
+from ringlse.ring.transport import held_blocks, own_kv
 
 
 def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, peer_plans, route: Route,
@@ -86,121 +87,6 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, pee
     return states.result(q.dtype) if states is not None else (out, lse)
 
 
-def _message_dtype(op: BlockOp, call: BlockCall, q: torch.Tensor, k: torch.Tensor, with_lse: bool) -> torch.dtype:
-    """The dtype a block call's dk/dv parts travel home in. Both ends derive it from the plan and the
-    agreed inputs, so a receiver knows every message's size and dtype without being told.
-
-    An op that returns parts gives a full block without GQA group sums and without an lse-gradient
-    term (possible only when the lse is returned) as one kernel output in the input dtype: sent as it
-    is, exact. Anything else is summed (or accumulated) in float32 and travels so."""
-    if op.backward_parts is not None and not call.causal and q.shape[2] == k.shape[2] and not with_lse:
-        return k.dtype
-    return lse_dtype(q.dtype)
-
-
-def _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: float, comm: RingComm, plans,
-                   peer_plans, route: Route, with_lse: bool, pull: bool, limit: datetime.timedelta | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of this rank's shards, in the input dtype.
-
-    Each rank attends its queries to every K/V block as the blocks come round the ring (as in the
-    forward) and sends the dk/dv it computed for block j straight to rank j, which adds each message
-    into its float32 dk/dv once the step after it was posted (in step order; so at most two steps'
-    messages are alive, whatever W). Ops that return their gradients as tensors
-    (`backward_parts`: cuDNN, flash-attn) send those as they are, so no float32 accumulator is ever
-    read and rewritten per block; ops that accumulate in-kernel add into float32 buffers that are sent
-    instead. Rank j's own block is computed in two halves of its keys (`_split_keys`): the first while
-    the first K/V transfer is in flight, the second while the last gradients are on their way home.
-    """
-    acc = lse_dtype(q.dtype)
-    b, n, h, d = q.shape
-    hkv = k.shape[2]
-    dq, dk, dv = PartSum(q.shape, acc, q.device), PartSum(k.shape, acc, k.device), PartSum(v.shape, acc, v.device)
-
-    def call_args(c: BlockCall, kv: torch.Tensor) -> tuple[tuple, dict]:
-        rows = slice(c.q0, c.q1)
-        args = (dout[:, rows], q[:, rows], kv[0][:, c.k0:c.k1], kv[1][:, c.k0:c.k1], out[:, rows], lse[:, :, rows],
-                None if delta is None else delta[:, :, rows])
-        kw = dict(softmax_scale=scale, **c.block_args(),
-                  lse_grad=None if lse_grad is None else lse_grad[:, :, rows])
-        return args, kw
-
-    def attend_own(plan: Sequence[BlockCall]) -> None:
-        for c in plan:
-            args, kw = call_args(c, (k, v))
-            if op.backward_parts is None:
-                op.backward(*args, **kw, dq_acc=dq.accumulator()[:, c.q0:c.q1],
-                            dk_acc=dk.accumulator()[:, c.k0:c.k1], dv_acc=dv.accumulator()[:, c.k0:c.k1])
-                continue
-            g = op.backward_parts(*args, **kw)
-            for total, parts, offset in ((dq, g.dq, c.q0), (dk, g.dk, c.k0), (dv, g.dv, c.k0)):
-                for p in parts:
-                    total.add(p, offset)
-
-    def attend_remote(plan: Sequence[BlockCall], kv: torch.Tensor) -> list[torch.Tensor]:
-        """Attend to a held K/V block; returns the dk, dv messages for its owner, per call."""
-        messages = []
-        for c in plan:
-            args, kw = call_args(c, kv)
-            shape = (b, c.k1 - c.k0, hkv, d)
-            if op.backward_parts is None:
-                dkv = torch.zeros((2, *shape), dtype=acc, device=q.device)
-                op.backward(*args, **kw, dq_acc=dq.accumulator()[:, c.q0:c.q1], dk_acc=dkv[0], dv_acc=dkv[1])
-                messages += [dkv[0], dkv[1]]
-                continue
-            g = op.backward_parts(*args, **kw)
-            for p in g.dq:
-                dq.add(p, c.q0)
-            dtype = _message_dtype(op, c, q, k, with_lse)
-            messages += [sum_parts(shape, g.dk, dtype, q.device, acc), sum_parts(shape, g.dv, dtype, q.device, acc)]
-        return messages
-
-    if comm.world == 1:
-        attend_own(plans[0])
-        return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
-    # the diagonal square (second half of keys) hides the first transfer, the block's first half of
-    # keys (three times the work) the gradients' last transfers home
-    own_last, own_first = split_keys(plans[0], n // 2)
-    kv_own, bufs, ready, pulled = own_kv(comm, k, v, pull, plans, route)
-    # dk/dv messages, per step: (transfers, what was sent, what comes in, by call), oldest first. Step
-    # s's are waited for once step s+1's are posted: they had step s+1's block to arrive, and what is
-    # alive stays bounded whatever W (the messages of the step in flight, both ways, and those of the
-    # step being computed), not every step's until the end; what came in goes into float32 dk/dv.
-    in_flight: list[tuple[list, list[torch.Tensor], list[tuple[BlockCall, torch.Tensor, torch.Tensor]]]] = []
-
-    def settle_oldest() -> None:
-        works, _, received = in_flight.pop(0)  # the sent tensors go with it
-        comm.wait(works, "backward", limit)
-        for c, dk_part, dv_part in received:  # in step order: the same sums on every run
-            dk.accumulator()[:, c.k0:c.k1] += dk_part
-            dv.accumulator()[:, c.k0:c.k1] += dv_part
-
-    def incoming(c: BlockCall) -> list[torch.Tensor]:
-        """Buffers for the dk, dv that the peer's call `c` on our K/V sends home."""
-        dtype = _message_dtype(op, c, q, k, with_lse)
-        return [torch.empty((b, c.k1 - c.k0, hkv, d), dtype=dtype, device=q.device) for _ in range(2)]
-
-    for s, kv in held_blocks(comm, (k, v), kv_own, bufs, ready, plans, peer_plans, route, pulled, "backward",
-                              limit):
-        if s == 0:
-            attend_own(own_first)
-            continue
-        sent = attend_remote(plans[s], kv)
-        # rank (rank + s) mod W attends to our K/V at its step s: its calls say what comes back
-        received = [(c, *incoming(c)) for c in peer_plans[s]]
-        recvs = [t for _, dk_part, dv_part in received for t in (dk_part, dv_part)]
-        works = comm.send_recv(sent, (comm.rank - s) % comm.world, recvs, (comm.rank + s) % comm.world,
-                               DKV_TAG, step=s)
-        in_flight.append((works, sent, received))
-        del works, sent, received, recvs  # in_flight holds them until settle_oldest frees them
-        if len(in_flight) > 1:
-            settle_oldest()
-    attend_own(own_last)
-    while in_flight:
-        settle_oldest()
-    return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
-
-
 class _RingPlan:
     """One ring call: forward and backward over the blocks as they come round (`AttentionPlan`)."""
 
@@ -216,7 +102,7 @@ class _RingPlan:
     def backward(self, dout, q, k, v, out, lse, delta, lse_grad):
         self.comm.check_usable()  # another call on the group may have failed since the forward
         with self.comm.guard("backward"):
-            return _ring_backward(dout, q, k, v, out, lse, delta, lse_grad, self.op, self.scale, self.comm,
+            return ring_backward(dout, q, k, v, out, lse, delta, lse_grad, self.op, self.scale, self.comm,
                                   self.plans, self.peer_plans, self.route, self.with_lse, self.pull, self.limit)
 
 

@@ -287,3 +287,16 @@ def split_keys(plan: Sequence[BlockCall], m: int) -> tuple[list[BlockCall], list
             partial = kind is BlockKind.PARTIAL
             half.append(BlockCall(q0, c.q1, a, b, partial, q_start if partial else 0, k_start if partial else 0))
     return halves
+
+
+def key_pieces(plan: Sequence[BlockCall], n: int, pieces: int) -> list[list[BlockCall]]:
+    """The calls of `plan` (over `n` local keys) cut at every multiple of `ceil(n / pieces)` keys
+    (rounded up to 64, a kernel tile), lowest keys first, empty pieces left out (`split_keys` at each
+    cut; masked calls stay whole, in the last piece). Every rank computes the same pieces of a plan."""
+    size = -(-max(1, -(-n // pieces)) // 64) * 64
+    out, rest = [], list(plan)
+    for m in range(size, n, size):
+        piece, rest = split_keys(rest, m)
+        if piece:
+            out.append(piece)
+    return out + ([rest] if rest else [])
