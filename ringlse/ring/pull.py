@@ -25,6 +25,7 @@ import datetime
 import hashlib
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -144,10 +145,13 @@ class PulledKV:
 
     def publish(self, limit: datetime.timedelta) -> None:
         """Make our K/V readable by the group (after the ranks agreed on their inputs: growing the
-        workspace is a collective). The GPU-side barrier waits at most `limit` for the peers: past it
-        the barrier kernel traps, which leaves this process's CUDA context unusable (later CUDA calls
-        raise) instead of a stream that waits for a dead peer forever and hangs every later device-wide
-        synchronisation (NCCL's abort after a timed-out transfer included: seen on 2xH100)."""
+        workspace is a collective). The GPU-side barrier waits at most `2 * limit + 10 s` for the
+        peers: past it the barrier kernel traps, which kills this process (NCCL's watchdog finds its
+        CUDA context broken) instead of a stream that waits for a dead peer forever and hangs every
+        later device-wide synchronisation (NCCL's abort after a timed-out transfer included: seen on
+        2xH100). The margin lets the host's bounded waits behind the barrier (the backward's dk/dv
+        messages, at most `limit` each) raise their `RuntimeError` first: with a trap at `limit`, a
+        survivor of a peer dead in the forward aborted before raising (2xH100)."""
         ws = self.workspaces.get(self.key)
         if ws is None or ws[0].numel() < 2 * self.nbytes:
             symm_mem = _symm_mem()
@@ -162,8 +166,25 @@ class PulledKV:
                 region = self._region(ws)
                 region.copy_(self.kv)
             # every rank's K/V is published
-            self.handle.barrier(channel=0, timeout_ms=max(1, int(limit.total_seconds() * 1000)))
+            self.handle.barrier(channel=0, timeout_ms=int((2 * limit.total_seconds() + 10) * 1000))
+            self.published = torch.cuda.Event()
+            self.published.record(self.stream)
         ws[2] += 1
+
+    def await_published(self, limit: datetime.timedelta, phase: str) -> None:
+        """With a call timeout (the host then waits for each transfer, as NCCL's `Work.wait(timeout)`
+        does): wait on the host, at most `limit`, until every peer has reached the barrier, and raise
+        the ring's `RuntimeError` for a peer that has not (dead or stalled) before any NCCL work is
+        queued behind the stuck barrier. An NCCL wait that timed out there aborts its communicator,
+        and the abort waited for the barrier's trap: the survivor died without raising (2xH100)."""
+        deadline = time.monotonic() + limit.total_seconds()
+        pause = 5e-5
+        while not self.published.query():
+            if time.monotonic() > deadline:
+                raise self.comm.fault(phase, 0, self.comm.others(), TimeoutError(
+                    f"the peers did not reach the copy-engine barrier within {limit}"))
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
 
     def finish(self) -> None:
         """The call is done with its pulls (or makes none: the ranks disagreed, or this rank reads no

@@ -66,6 +66,8 @@ def held_blocks(comm: RingComm, own: tuple[torch.Tensor, torch.Tensor], kv_own: 
     last_read = [ready] * 3
     if pulled is not None:
         pulled.publish(limit or comm.timeout())
+        if limit is not None:
+            pulled.await_published(limit, phase)
         pulled.pull(1, bufs[1], rows_read(plans[1]), ready)
     else:
         works = comm.exchange(kv_own, bufs[1], KV_TAG, ready=ready, step=1)
