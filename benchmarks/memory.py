@@ -9,6 +9,8 @@ allocated before (the inputs, `dout`), after a warm-up call and `gc.collect()`:
   - `ringlse.attention` on the S tokens (the single-GPU reference);
   - `ring_attention` over the torchrun group (a group of one: no K/V moves, so this shows the ring's
     float32 accumulators alone; with more ranks, every rank's peak, S tokens each);
+  - with more ranks, PyTorch context parallel (`context_parallel` + `F.scaled_dot_product_attention`,
+    load balancing on, each rotate method) on the same S tokens per rank: the peer's peak per rank;
   - with one rank, `ring_attention` as rank r of a W-rank ring for every r and each W of
     `--fake-worlds`: a fake process group (`torch.testing._internal.distributed.fake_pg`) whose
     transfers complete at once and move nothing (received buffers hold garbage: the results mean
@@ -50,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous", "stripe"])
     p.add_argument("--fake-worlds", type=int, nargs="*", default=[2, 4, 8],
                    help="ring sizes simulated with a fake process group (one rank only; none: skip)")
+    p.add_argument("--no-peer", dest="peer", action="store_false",
+                   help="with several ranks, skip PyTorch context parallel")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     return p.parse_args(argv)
 
@@ -106,6 +110,25 @@ def ring_fn(backend: str, layout: str, fake: bool):
                          window_size=(-1, -1), cu_seqlens=None, backend=backend, timeout=None, agree=False)
         return planned_attention(q, k, v, plan)[0]
     return run
+
+
+def cp_peaks(mesh, rotate: str, shape: tuple[int, ...], seed: int) -> dict[str, int]:
+    """`peaks` of PyTorch context parallel over `mesh` (every rank) with `rotate` on `shape`'s tokens per
+    rank: the global `[b, h, S, d]` inputs are sharded in place on entry, before anything is counted."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
+
+    b, n, h, hkv, d = shape
+    _cp_options.enable_load_balance = True
+    set_rotate_method(rotate)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, dout = (torch.randn(b, heads, n * mesh.size(), d, generator=gen, device="cuda", dtype=DTYPE)
+                     for heads in (h, hkv, hkv, h))
+    bufs = [q, k, v, dout]
+    with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs)):
+        return peaks(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv != h),
+                     q, k, v, dout)
 
 
 def measure(fn, shape: tuple[int, ...], seed: int) -> dict:
@@ -183,7 +206,9 @@ NOTE = ("peak_bytes: torch.cuda.max_memory_allocated over forward + backward min
         "rank `rank` of a W-rank ring on a fake process group: transfers complete at once and move no "
         "data, the allocations are a real rank's with the point-to-point K/V transport (real ranks on "
         "one host pull K/V with copy engines instead, whose buffers may differ). added_bytes = ring "
-        "peak - single peak; bound_bytes = 2 K/V blocks + float32 accumulators (issue 31).")
+        "peak - single peak. kind 'torch-cp-<rotate>' is PyTorch context parallel (SDPA, load balancing) "
+        "on the same tokens per rank, every rank, measured the same way (added_bytes: over single-GPU "
+        "SDPA). bound_bytes = 2 K/V blocks + float32 accumulators (issue 31).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,6 +243,30 @@ def main(argv: list[str] | None = None) -> int:
                         (ring if r == 0 else dict(error="failed on that rank"))
                     records.append(row("ring", be, world, r if world > 1 else None, shape, single, got))
                     report(records[-1])
+    if world > 1 and args.peer:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cuda", (world,))
+        for s in args.seqlens:
+            shape = (1, s, args.heads, args.kv_heads, args.head_dim)
+            single = measure(single_fn("sdpa"), shape, seed=rank)
+            for rotate in ("allgather", "alltoall"):
+                try:
+                    cp = cp_peaks(mesh, rotate, shape, seed=rank)
+                except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError) as e:
+                    cp = dict(error=f"{type(e).__name__}: {e}"[:300])
+                finally:
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                mine = torch.tensor([cp.get("peak_bytes", -1), cp.get("forward_peak_bytes", -1)], device=device)
+                every = [torch.empty_like(mine) for _ in range(world)]
+                dist.all_gather(every, mine)
+                if rank == 0:
+                    for r, t in enumerate(every):
+                        got = dict(peak_bytes=int(t[0]), forward_peak_bytes=int(t[1])) if t[0] >= 0 else \
+                            (cp if r == 0 else dict(error="failed on that rank"))
+                        records.append(row(f"torch-cp-{rotate}", "sdpa", world, r, shape, single, got))
+                        report(records[-1])
     if world == 1 and args.fake_worlds:
         dist.destroy_process_group()  # a fake group of W ranks replaces it (one default group at a time)
         for be in backends:

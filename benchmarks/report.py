@@ -327,6 +327,30 @@ def headline_fa4(path: Path, d: dict) -> list[list[str]]:
 
 
 def headline_memory(path: Path, d: dict) -> list[list[str]]:
+    return _memory_real(path, d) + _memory_fake(path, d)
+
+
+def _memory_real(path: Path, d: dict) -> list[list[str]]:
+    """Rows of a multi-GPU run: each ring backend and PyTorch context parallel, worst rank."""
+    recs = [r for r in d["records"] if r["kind"] != "fake-ring" and r["world"] > 1 and "added_bytes" in r]
+    if not recs:
+        return []
+    parts = []
+    for s in sorted({r["tokens_per_rank"] for r in recs}):
+        per = []
+        for kind, backend in dict.fromkeys((r["kind"], r["backend"]) for r in recs if r["tokens_per_rank"] == s):
+            rs = [r for r in recs if (r["kind"], r["backend"], r["tokens_per_rank"]) == (kind, backend, s)]
+            worst = max(rs, key=lambda r: r["ring"]["peak_bytes"])
+            name = f"`{backend}` ring" if kind == "ring" else f"PyTorch CP ({kind.removeprefix('torch-cp-')})"
+            per.append(f"{name} +{worst['added_kv_blocks']:.1f} ({worst['ring']['peak_bytes'] / 2**30:.2f} GiB)")
+        parts.append(f"{_k(s)} tokens per rank: " + ", ".join(per))
+    w, gpu = recs[0]["world"], d["gpu"].replace("NVIDIA ", "")
+    return [[f"peak memory per rank above single-GPU attention on its shard, in K/V blocks (bound: 2 K/V blocks + "
+             f"float32 accumulators = {recs[0]['bound_bytes'] / recs[0]['kv_block_bytes']:.0f}), fwd+bwd, causal, "
+             f"{w}×{gpu}, next to PyTorch context parallel", "; ".join(parts), _src(path)]]
+
+
+def _memory_fake(path: Path, d: dict) -> list[list[str]]:
     recs = [r for r in d["records"] if r["kind"] == "fake-ring"]
     if not recs:
         return []

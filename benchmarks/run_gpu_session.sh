@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched session on a multi-GPU host: install, GPU tests, torchrun verification, ring + merge + LSE
 # toolkit benchmarks, each step under its own time limit so one slow step cannot starve the rest.
-# Usage: bash benchmarks/run_gpu_session.sh OUT_DIR [tests|final|all|lse|ring|ring2|checks2|bench2]   (all logs go to OUT_DIR/session.log)
+# Usage: bash benchmarks/run_gpu_session.sh OUT_DIR [tests|final|all|lse|ring|ring2|checks2|memory|faults2|bench2]   (all logs go to OUT_DIR/session.log)
 set -uo pipefail
 out=${1:?output dir}; what=${2:-final}
 log="$out/session.log"
@@ -54,6 +54,18 @@ if [[ $what == checks2 ]]; then  # two GPUs: this version's GPU tests, masked ve
     step 60 verify-masks torchrun --nproc_per_node=2 launch/verify.py --seqlen 8192 --heads 8 --kv-heads 2 \
         --head-dim 128 --causal yes --window 1024,0 --docs 6
     step 90 train-2gpu-bf16 torchrun --nproc_per_node=2 launch/train.py --dtype bf16 --steps 20 --out "$out"
+fi
+if [[ $what == memory ]]; then  # every GPU: peak memory per rank vs context parallel, the dk/dv pieces A/B (W >= 3)
+    if (( n >= 3 )); then
+        step 200 dkv-pieces torchrun --nproc_per_node="$n" benchmarks/dkv_pieces_probe.py --out "$out" \
+            --seqlens 16384 32768 --pieces 1 2 4
+    fi
+    step 150 memory-n torchrun --nproc_per_node="$n" benchmarks/memory.py --out "$out" --seqlens 8192 32768
+    step 120 memory-fake torchrun --nproc_per_node=1 benchmarks/memory.py --out "$out/fake" --seqlens 8192 32768 \
+        --fake-worlds 3 4
+fi
+if [[ $what == faults2 ]]; then  # two GPUs: the ring GPU tests (faults, masks, bad inputs, against the reference)
+    step 480 gpu-tests python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_ring_gpu.py
 fi
 if [[ $what == bench2 ]]; then  # two GPUs, every backend (fa4 where installed): ring vs context parallel, error growth
     step 300 ring-bench-2 torchrun --nproc_per_node=2 benchmarks/ring.py --out "$out" --budget-s 0.25 \
