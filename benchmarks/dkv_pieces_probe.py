@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import ringlse
 import ringlse.ring.backward as ring_backward
+from ring import timed_ms  # benchmarks/ring.py: median of CUDA-event timings, every rank starting together
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,26 +34,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seqlens", type=int, nargs="+", default=[16384, 32768])
     p.add_argument("--pieces", type=int, nargs="+", default=[1, 4])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--reps", type=int, default=5, help="timed calls per variant per round")
+    p.add_argument("--budget-s", type=float, default=0.25, help="seconds of timed calls per variant per round")
     p.add_argument("--backend", default="triton")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     return p.parse_args(argv)
-
-
-def median_ms(step, reps: int) -> float:
-    """Median of `reps` CUDA-event timings of `step()`, every rank starting together; max over ranks."""
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for p in args.pieces:
                 ring_backward.DKV_PIECES = p
-                per[p].append(median_ms(step, args.reps))
+                per[p].append(timed_ms(step, args.budget_s))
         for p in args.pieces:
             rec = dict(seqlen=s, tokens_per_rank=n, heads=h, head_dim=d, pieces=p,
                        ms=statistics.median(per[p]), rounds_ms=per[p], peak_bytes_rank0=peak[p])

@@ -133,13 +133,35 @@ def cp_peaks(mesh, rotate: str, shape: tuple[int, ...], seed: int) -> dict[str, 
 
 def measure(fn, shape: tuple[int, ...], seed: int) -> dict:
     """`peaks` of `fn` on fresh inputs of `shape`, or the error (out of memory: the row says so)."""
+    return guarded(lambda: peaks(fn, *inputs(*shape, seed=seed)))
+
+
+def guarded(thunk) -> dict:
+    """`thunk()`'s peaks, or the error it raised; the memory it left is freed either way."""
     try:
-        return peaks(fn, *inputs(*shape, seed=seed))
+        return thunk()
     except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError) as e:
         return dict(error=f"{type(e).__name__}: {e}"[:300])
     finally:
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def gathered_rows(kind: str, backend: str, mine: dict, shape, single: dict, device) -> list[dict]:
+    """Every rank's `mine` (peaks or an error) as rows, on rank 0 (collective: every rank calls it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor([mine.get("peak_bytes", -1), mine.get("forward_peak_bytes", -1)], device=device)
+    every = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(every, t)
+    if rank != 0:
+        return []
+    rows = []
+    for r, got in enumerate(every):
+        peaks_r = dict(peak_bytes=int(got[0]), forward_peak_bytes=int(got[1])) if got[0] >= 0 else \
+            (mine if r == 0 else dict(error="failed on that rank"))
+        rows.append(row(kind, backend, world, r if world > 1 else None, shape, single, peaks_r))
+        report(rows[-1])
+    return rows
 
 
 def row(kind: str, backend: str, world: int, rank: int | None, shape, single: dict, ring: dict) -> dict:
@@ -234,15 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             shape = (1, s, args.heads, args.kv_heads, args.head_dim)
             single = measure(single_fn(be), shape, seed=rank)
             ring = measure(ring_fn(be, args.layout, fake=False), shape, seed=rank)
-            mine = torch.tensor([ring.get("peak_bytes", -1), ring.get("forward_peak_bytes", -1)], device=device)
-            every = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(every, mine)
-            if rank == 0:
-                for r, t in enumerate(every):
-                    got = dict(peak_bytes=int(t[0]), forward_peak_bytes=int(t[1])) if t[0] >= 0 else \
-                        (ring if r == 0 else dict(error="failed on that rank"))
-                    records.append(row("ring", be, world, r if world > 1 else None, shape, single, got))
-                    report(records[-1])
+            records += gathered_rows("ring", be, ring, shape, single, device)
     if world > 1 and args.peer:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -251,22 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             shape = (1, s, args.heads, args.kv_heads, args.head_dim)
             single = measure(single_fn("sdpa"), shape, seed=rank)
             for rotate in ("allgather", "alltoall"):
-                try:
-                    cp = cp_peaks(mesh, rotate, shape, seed=rank)
-                except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError) as e:
-                    cp = dict(error=f"{type(e).__name__}: {e}"[:300])
-                finally:
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                mine = torch.tensor([cp.get("peak_bytes", -1), cp.get("forward_peak_bytes", -1)], device=device)
-                every = [torch.empty_like(mine) for _ in range(world)]
-                dist.all_gather(every, mine)
-                if rank == 0:
-                    for r, t in enumerate(every):
-                        got = dict(peak_bytes=int(t[0]), forward_peak_bytes=int(t[1])) if t[0] >= 0 else \
-                            (cp if r == 0 else dict(error="failed on that rank"))
-                        records.append(row(f"torch-cp-{rotate}", "sdpa", world, r, shape, single, got))
-                        report(records[-1])
+                cp = guarded(lambda: cp_peaks(mesh, rotate, shape, seed=rank))
+                records += gathered_rows(f"torch-cp-{rotate}", "sdpa", cp, shape, single, device)
     if world == 1 and args.fake_worlds:
         dist.destroy_process_group()  # a fake group of W ranks replaces it (one default group at a time)
         for be in backends:
