@@ -407,14 +407,13 @@ def _backward_impl(
     key = (d, q.dtype, causal, q.device.index, intervals)
     # interval masks take the causal configs (masked tiles at the edges, like a causal block)
     configs = bwd_configs(d, q.dtype, causal or intervals)
-    if dk_acc is None:
-        pass
-    elif not intervals and hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, dout):
-        # sm_90, bf16/fp16, head dim 64/128: the Gluon dk/dv kernel (TMA, warp-specialized WGMMA)
-        hopper_dkdv(dout, q, k, v, lse, delta, dk_acc, dv_acc, qk_scale=qk_scale, dk_scale=dk_scale,
-                    causal=causal, offset=offset)
-    else:
-        launch_with_fallback(DKDV_CHOSEN, key, configs, launch_dkdv)
+    if dk_acc is not None:
+        if not intervals and hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, dout):
+            # sm_90, bf16/fp16, head dim 64/128: the Gluon dk/dv kernel (TMA, warp-specialized WGMMA)
+            hopper_dkdv(dout, q, k, v, lse, delta, dk_acc, dv_acc, qk_scale=qk_scale, dk_scale=dk_scale,
+                        causal=causal, offset=offset)
+        else:
+            launch_with_fallback(DKDV_CHOSEN, key, configs, launch_dkdv)
     if dq_acc is not None:
         launch_with_fallback(DQ_CHOSEN, key, configs, launch_dq)
 

@@ -39,14 +39,15 @@ def message_dtype(op: BlockOp, call: BlockCall, q: torch.Tensor, k: torch.Tensor
 
 
 def ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: float, comm: RingComm, plans,
-                   peer_plans, route: Route, with_lse: bool, pull: bool, limit: datetime.timedelta | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  peer_plans, route: Route, with_lse: bool, pull: bool, limit: datetime.timedelta | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of this rank's shards, in the input dtype.
 
     Each rank attends its queries to every K/V block as the blocks come round the ring (as in the
-    forward) and sends the dk/dv it computed for block j straight to rank j, piece by piece of keys
-    (`DKV_PIECES`), which adds each message into its float32 dk/dv once the next piece is built (in
-    order; so at most three pieces' messages are alive, whatever W). Ops that return their gradients as tensors
+    forward) and sends the dk/dv it computed for block j straight to rank j (from W = 3, piece by
+    piece of keys where the op allows: `DKV_PIECES`), which adds each message into its float32 dk/dv
+    once the next piece is built (in order; so at most three pieces' messages are alive, whatever W).
+    Ops that return their gradients as tensors
     (`backward_parts`: cuDNN, flash-attn) send those as they are, so no float32 accumulator is ever
     read and rewritten per block; ops that accumulate in-kernel add into float32 buffers that are sent
     instead. Rank j's own block is computed in two halves of its keys (`split_keys`): the first while
