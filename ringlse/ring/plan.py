@@ -293,7 +293,8 @@ def key_pieces(plan: Sequence[BlockCall], n: int, pieces: int) -> list[list[Bloc
     """The calls of `plan` (over `n` local keys) cut at every multiple of `ceil(n / pieces)` keys
     (rounded up to 64, a kernel tile), lowest keys first, empty pieces left out (`split_keys` at each
     cut; masked calls stay whole, in the last piece). Every rank computes the same pieces of a plan."""
-    size = -(-max(1, -(-n // pieces)) // 64) * 64
+    per_piece = -(-n // pieces)  # ceil
+    size = 64 * max(1, -(-per_piece // 64))
     out, rest = [], list(plan)
     for m in range(size, n, size):
         piece, rest = split_keys(rest, m)

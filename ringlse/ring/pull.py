@@ -149,9 +149,8 @@ class PulledKV:
         peers: past it the barrier kernel traps, which kills this process (NCCL's watchdog finds its
         CUDA context broken) instead of a stream that waits for a dead peer forever and hangs every
         later device-wide synchronisation (NCCL's abort after a timed-out transfer included: seen on
-        2xH100). The margin lets the host's bounded waits behind the barrier (the backward's dk/dv
-        messages, at most `limit` each) raise their `RuntimeError` first: with a trap at `limit`, a
-        survivor of a peer dead in the forward aborted before raising (2xH100)."""
+        2xH100). The margin leaves the host's bounded wait for the barrier (`await_published`, under
+        a call timeout) the time to raise its `RuntimeError` first; the trap is the last resort."""
         ws = self.workspaces.get(self.key)
         if ws is None or ws[0].numel() < 2 * self.nbytes:
             symm_mem = _symm_mem()
