@@ -80,7 +80,7 @@ def ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: 
 
     def attend_remote(plan: Sequence[BlockCall], kv: torch.Tensor, with_dq: bool) -> list[torch.Tensor]:
         """Attend to a held K/V block; returns the dk, dv messages for its owner, per call (`with_dq`
-        False: dk/dv alone, from an op with `split_backward`; `remote_dq` then adds dq)."""
+        False: dk/dv alone, in pieces; `remote_dq` then adds dq)."""
         messages = []
         for c in plan:
             args, kw = call_args(c, kv)
@@ -132,13 +132,15 @@ def ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: 
         dtype = message_dtype(op, c, q, k, with_lse)
         return [torch.empty((b, c.k1 - c.k0, hkv, d), dtype=dtype, device=q.device) for _ in range(2)]
 
+    # pieces of keys for ops with `split_backward` (dk/dv per piece, dq once per step) from W = 3 on,
+    # whole steps otherwise: at W = 2 the one remote step's messages fit the bound whole, and pieces
+    # cost 3-4% there (2xH100); cutting the calls of ops that return parts would add rounded dq parts
+    # (their messages are often in the input dtype)
+    split = op.split_backward and comm.world >= 3
+
     def pieces(plan: Sequence[BlockCall]) -> list[list[BlockCall]]:
-        """The calls whose messages travel together: pieces of keys for ops with `split_backward` (dk/dv
-        per piece, dq once per step) from W = 3 on, whole steps otherwise: at W = 2 the one remote
-        step's messages fit the bound whole, and pieces cost 3-4% there (2xH100); cutting the calls
-        of ops that return parts would add rounded dq parts (their messages are often in the input
-        dtype)."""
-        if op.split_backward and comm.world >= 3:
+        """The calls whose messages travel together."""
+        if split:
             return key_pieces(plan, n, DKV_PIECES)
         return [list(plan)] if plan else []
 
@@ -151,7 +153,7 @@ def ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: 
         # by piece as ours go (both ends cut the same plan the same way, so messages pair in order)
         mine, theirs = pieces(plans[s]), pieces(peer_plans[s])
         for i in range(max(len(mine), len(theirs))):
-            sent = attend_remote(mine[i], kv, with_dq=not op.split_backward) if i < len(mine) else []
+            sent = attend_remote(mine[i], kv, with_dq=not split) if i < len(mine) else []
             settle()  # the previous piece's transfers ran while this one was built
             received = [(c, *incoming(c)) for c in theirs[i]] if i < len(theirs) else []
             recvs = [t for _, dk_part, dv_part in received for t in (dk_part, dv_part)]
@@ -159,7 +161,7 @@ def ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: 
                                    DKV_TAG, step=s)
             in_flight = (works, sent, received)
             del works, sent, received, recvs  # in_flight holds them until settle frees them
-        if op.split_backward:  # the last piece's messages travel meanwhile
+        if split:  # the last piece's messages travel meanwhile
             remote_dq(plans[s], kv)
     attend_own(own_last)
     settle()
