@@ -110,7 +110,7 @@ class BlockOp:
     takes_window: bool = False
     # backward takes `dq_acc=None` (dk/dv alone) or `dk_acc=dv_acc=None` (dq alone): the ring then
     # computes a step's dk/dv in pieces of keys, each sent home while the next is built, and its dq
-    # once (`ringlse.ring.loop`)
+    # once (`ringlse.ring.backward`)
     split_backward: bool = False
 
     def compute_delta(self, dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
