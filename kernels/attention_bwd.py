@@ -9,8 +9,8 @@ block), so a block's gradients are its exact share of the full attention's gradi
 Both split their loops like the forward: tiles entirely inside the causal boundary run unmasked; only
 the boundary tiles mask; invisible tiles are never visited. Rows whose lse is -inf (they see no key
 anywhere) get P = 0 by treating their lse as +inf. Results are added into float32 accumulators.
-On sm_90 GPUs, bf16/fp16 blocks of head dim 64 or 128 without interval masks take the Gluon dk/dv kernel
-of `attention_bwd_hopper` (same contract and numerics); dq stays this module's kernel.
+On sm_90 GPUs, bf16/fp16 blocks of head dim 64 or 128 take the Gluon dk/dv kernel of
+`attention_bwd_hopper` (same contract and numerics, interval masks included); dq stays this module's kernel.
 Interval masks: the dq kernel walks `key_lo`/`key_hi` as the forward does, the dk/dv kernel the inverse
 intervals `query_lo`/`query_hi` (the queries that see each key) the same way; rows (keys) that see
 nothing ride along through the unmasked tiles and their gradients are set to exactly 0 at the end.
@@ -47,7 +47,12 @@ try:  # the Hopper dk/dv kernel is Gluon, which Triton before 3.5 does not have
     from ringlse.kernels.attention_bwd_hopper import hopper_dkdv, hopper_dkdv_applies
 except ImportError:  # pragma: no cover - old Triton
     hopper_dkdv = hopper_dkdv_applies = None
-from ringlse.kernels.host import cdiv, interpreting
+from ringlse.kernels.host import cdiv, interpreting, tma_indexable
+
+try:  # host-side TMA descriptors (Triton 3.4 on); without them dq is added by a load, add and store
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - old Triton
+    TensorDescriptor = None
 
 # the launchers' tuning knobs live with the forward's in attention_common; benchmarks reach them here
 __all__ = ["BwdConfig", "attention_backward", "attention_delta", "bwd_configs", "set_tuned_bwd_config"]
@@ -281,9 +286,11 @@ def _attn_bwd_dq_kernel(
     H, GROUP, SQ, SK, OFFSET, qk_scale, dq_scale, KeyLo, KeyHi,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    INTERVALS: tl.constexpr,
+    INTERVALS: tl.constexpr, REDUCE: tl.constexpr = False,
 ):
-    """Grid `(cdiv(SQ, BLOCK_M), B * H)`. KeyLo/KeyHi: as in the forward (None without INTERVALS)."""
+    """Grid `(cdiv(SQ, BLOCK_M), B * H)`. KeyLo/KeyHi: as in the forward (None without INTERVALS). With
+    REDUCE, DQ is a tensor descriptor over `[B * SQ, H * HEAD_D]` (block `[BLOCK_M, HEAD_D]`) that the
+    tile is added into by TMA."""
     num_m = tl.num_programs(0)
     pid_m = tl.program_id(0)
     if CAUSAL or INTERVALS:
@@ -329,12 +336,28 @@ def _attn_bwd_dq_kernel(
         dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, n_full, n_hi, SK,
                        OFFSET, qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, True, DOT_PREC)
 
-    dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
-    tl.store(dq_ptrs, tl.load(dq_ptrs, mask=md_mask, other=0.0) + dq * dq_scale, mask=md_mask)
+    if REDUCE:
+        DQ.atomic_add([(off_b * SQ + m0).to(tl.int32), (off_h * HEAD_D).to(tl.int32)], dq * dq_scale)
+    else:
+        dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
+        tl.store(dq_ptrs, tl.load(dq_ptrs, mask=md_mask, other=0.0) + dq * dq_scale, mask=md_mask)
 
 
 # ---------------------------------------------------------------------------------------------------
 # launchers
+
+
+def dq_through_tma(dq_acc: torch.Tensor, block_m: int) -> bool:
+    """Whether the dq kernel adds its tiles into `dq_acc` (float32 `[b, sq, h, d]`) by a TMA reduce-add:
+    on sm_90 (where it was measured: 4-14% faster on windows and packed documents, the same on dense
+    blocks, H200, benchmarks/NOTES.md), head dims 16-128 that are powers of two (the tile is the whole row;
+    at 256 its staging tile would not fit beside the loads), rows TMA can index, and no partial last query
+    tile with a next batch element behind it (TMA clips only at the end of the `[b * sq]` rows). One add
+    per element either way: deterministic."""
+    b, sq, _, d = dq_acc.shape
+    return (TensorDescriptor is not None and dq_acc.is_cuda and not interpreting()
+            and torch.cuda.get_device_capability(dq_acc.device) == (9, 0) and d == block_d(d) and d <= 128
+            and (b == 1 or sq % block_m == 0) and tma_indexable(dq_acc))
 
 
 def _delta_impl(dout: torch.Tensor, out: torch.Tensor, delta: torch.Tensor) -> None:
@@ -356,10 +379,12 @@ def _backward_impl(
     config: BwdConfig | None = None,
     key_lo: torch.Tensor | None = None, key_hi: torch.Tensor | None = None,
     query_lo: torch.Tensor | None = None, query_hi: torch.Tensor | None = None,
+    dq_reduce: bool | None = None,
 ) -> None:
     """Launch the dk/dv and dq kernels. `delta` must have `lse`'s strides, `offset` be a 32-bit
     `mask_offset`, `qk_scale >= 0` and `sq, sk > 0`; with intervals (all four, contiguous int32, see
-    `attention_backward`), `causal` is False."""
+    `attention_backward`), `causal` is False. `dq_reduce` (benchmarks only): add dq's tiles through TMA
+    or by a load, add and store; None: TMA where `dq_through_tma` says so."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bd = block_d(d)
@@ -384,8 +409,12 @@ def _backward_impl(
 
     def launch_dq(cfg: BwdConfig) -> None:
         grid = (cdiv(sq, cfg.q_block_m), b * h)
+        reduce = dq_through_tma(dq_acc, cfg.q_block_m) if dq_reduce is None else dq_reduce
+        dq_arg = dq_acc
+        if reduce:
+            dq_arg = TensorDescriptor(dq_acc, [b * sq, h * d], [dq_acc.stride(1), 1], [cfg.q_block_m, d])
         _attn_bwd_dq_kernel[grid](
-            q, k, v, dout, lse, delta, dq_acc,
+            q, k, v, dout, lse, delta, dq_arg,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -394,7 +423,7 @@ def _backward_impl(
             dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
             h, h // hkv, sq, sk, offset, qk_scale, dq_scale, key_lo, key_hi,
             HEAD_D=d, BLOCK_D=bd, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, CAUSAL=causal,
-            DOT_PREC=dot_precision(q.dtype), INTERVALS=intervals,
+            DOT_PREC=dot_precision(q.dtype), INTERVALS=intervals, REDUCE=reduce,
             num_warps=cfg.q_warps, num_stages=cfg.q_stages,
         )
 
@@ -408,10 +437,10 @@ def _backward_impl(
     # interval masks take the causal configs (masked tiles at the edges, like a causal block)
     configs = bwd_configs(d, q.dtype, causal or intervals)
     if dk_acc is not None:
-        if not intervals and hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, dout):
+        if hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, dout):
             # sm_90, bf16/fp16, head dim 64/128: the Gluon dk/dv kernel (TMA, warp-specialized WGMMA)
             hopper_dkdv(dout, q, k, v, lse, delta, dk_acc, dv_acc, qk_scale=qk_scale, dk_scale=dk_scale,
-                        causal=causal, offset=offset)
+                        causal=causal, offset=offset, query_lo=query_lo, query_hi=query_hi)
         else:
             launch_with_fallback(DKDV_CHOSEN, key, configs, launch_dkdv)
     if dq_acc is not None:

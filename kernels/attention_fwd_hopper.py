@@ -32,18 +32,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ringlse.kernels.attention_common import interval_tile_range, query_tile_key_range, softmax_step, tile_visible
+from ringlse.kernels.host import rows_view, tma_indexable
 from ringlse.kernels.merge_math import merge_finish, merge_fold
 
 
 @gluon.jit
-def _interval_range(KeyLo, KeyHi, m0, SQ, SK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Key tiles of the query rows `[m0, m0 + BLOCK_M)` under interval masks (row `i` sees the keys
-    `[KeyLo[i], KeyHi[i])`): `(n_lo, full_lo, full_hi, n_hi)` of `attention_common.interval_tile_range`
-    (the Triton kernels' walk), with `n_hi >= n_lo` when no row sees a key."""
-    PAD: gl.constexpr = 256 if BLOCK_M > 128 else BLOCK_M  # aranges are powers of two
-    offs = m0 + gl.arange(0, PAD, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-    ok = (offs < SQ) & (offs < m0 + BLOCK_M)
-    _, _, start, full_lo, full_hi, end = interval_tile_range(KeyLo, KeyHi, offs, ok, SK, BLOCK_N)
+def interval_walk(Lo, Hi, r0, ROWS_TOTAL, LIMIT, ROWS: gl.constexpr, BLOCK: gl.constexpr):
+    """A program's walk under interval masks: its rows `[r0, r0 + ROWS)` (of `ROWS_TOTAL`) see the columns
+    `[Lo[r], Hi[r])` of `[0, LIMIT)` (the forward: query rows seeing keys; dk/dv: key rows seen by
+    queries). `(start, full_lo, full_hi, end)` of `attention_common.interval_tile_range` (the Triton
+    kernels' walk) over column tiles of `BLOCK`, with `end >= start` when no row sees a column. Every
+    partition may call it (the layout spans the calling partition's warps)."""
+    PAD: gl.constexpr = 256 if ROWS > 128 else ROWS  # aranges are powers of two
+    offs = r0 + gl.arange(0, PAD, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    ok = (offs < ROWS_TOTAL) & (offs < r0 + ROWS)
+    _, _, start, full_lo, full_hi, end = interval_tile_range(Lo, Hi, offs, ok, LIMIT, BLOCK)
     return start, full_lo, full_hi, gl.maximum(end, start)
 
 
@@ -62,7 +65,7 @@ def _work_tile(t, walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl
     off_h = bh % H
     m0 = pid_m * BLOCK_M
     if INTERVALS:
-        n_lo, full_lo, full_hi, n_hi = _interval_range(KeyLo, KeyHi, m0, SQ, SK, BLOCK_M, BLOCK_N)
+        n_lo, full_lo, full_hi, n_hi = interval_walk(KeyLo, KeyHi, m0, SQ, SK, BLOCK_M, BLOCK_N)
     else:
         n_lo = 0
         full_lo = 0
@@ -356,15 +359,6 @@ def _gluon_supported() -> bool:
     return (major, minor) >= (3, 6)
 
 
-def rows_view(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
-    """Shape and strides of `[b, s, heads, d]` seen as a `[b * s, heads * d]` matrix (what the TMA
-    descriptors index), or None when the strides do not allow it."""
-    b, s, nh, d = t.shape
-    if t.stride(3) != 1 or t.stride(2) != d or (b > 1 and t.stride(0) != s * t.stride(1)):
-        return None
-    return [b * s, nh * d], [t.stride(1), 1]
-
-
 def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether `hopper_forward` takes these inputs: a CUDA sm_90 device, bf16/fp16, head dim 64 or 128,
     and `[b, s, heads, d]` strides that TMA can index as rows (16-byte aligned)."""
@@ -381,13 +375,7 @@ def tma_rows_apply(*tensors: torch.Tensor) -> bool:
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
-    for t in tensors:
-        if t.dtype != q.dtype:
-            return False
-        view = rows_view(t)
-        if view is None or t.data_ptr() % 16 or (view[1][0] * t.element_size()) % 16:
-            return False
-    return True
+    return all(t.dtype == q.dtype and tma_indexable(t) for t in tensors)
 
 
 def hopper_forward(

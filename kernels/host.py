@@ -1,4 +1,4 @@
-"""Host-side helpers for the launchers: integer arithmetic and the interpreter switch.
+"""Host-side helpers for the launchers: integer arithmetic, the interpreter switch, TMA's row views.
 
 Importable without Triton (as is `ringlse.kernels` itself), so that `ringlse` and the tests can ask
 `interpreting()` before deciding whether to import a kernel.
@@ -38,6 +38,21 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def rows_view(t) -> tuple[list[int], list[int]] | None:
+    """Shape and strides of a `[b, s, heads, d]` tensor seen as a `[b * s, heads * d]` matrix (what TMA
+    descriptors index), or None when the strides do not allow it."""
+    b, s, nh, d = t.shape
+    if t.stride(3) != 1 or t.stride(2) != d or (b > 1 and t.stride(0) != s * t.stride(1)):
+        return None
+    return [b * s, nh * d], [t.stride(1), 1]
+
+
+def tma_indexable(t) -> bool:
+    """Whether TMA can index `[b, s, heads, d]` `t` as `[b * s, heads * d]` rows (16-byte aligned)."""
+    view = rows_view(t)
+    return view is not None and t.data_ptr() % 16 == 0 and (view[1][0] * t.element_size()) % 16 == 0
 
 
 C = TypeVar("C")

@@ -312,8 +312,7 @@ def _inverse(lo, hi, sq, sk):
 @pytest.mark.parametrize("kind", ["window", "documents"])
 @pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
 def test_interval_masks_backward(kind, d):
-    # the Gluon forward's lse and out feed the backward (its dk/dv under intervals: the Triton kernel's,
-    # 6-10% faster there than the Gluon one, benchmarks/NOTES.md)
+    # the Gluon forward's lse and out feed the backward (Gluon dk/dv, Triton dq, both under intervals)
     from ringlse.kernels.attention_bwd import attention_backward, attention_delta
 
     q, k, v = _draw(2, 1500, 1300, 4, 2, d, torch.bfloat16, seed=41)
