@@ -66,6 +66,35 @@ def masked_attention(d: dict) -> list[str]:
     return lines
 
 
+def masked_probe(d: dict) -> list[str]:
+    """benchmarks/masked_probe.py: each kernel of the masked forward and backward timed apart (ms)."""
+    has = {k for r in d["rows"] for k in r}
+    # "default" is the launchers' choice in that run: the TMA add for both since the runs that time the
+    # load-add-store apart (`*_rmw_ms`); before, the runs timed the TMA add apart (`*_reduce_ms`)
+    dkdv = "dk/dv Gluon, " + ("load-add-store" if "dkdv_reduce_ms" in has else "TMA add")
+    dq = "dq Triton, " + ("TMA add" if "dq_rmw_ms" in has else "load-add-store")
+    cols = [("fwd_m128_ms", "fwd"), ("fwd_m128-P_ms", "fwd persistent"), ("fwd_m128-R_ms", "fwd persistent rotated"),
+            ("dkdv_default_ms", dkdv), ("dkdv_reduce_ms", "dk/dv Gluon, TMA add"), ("dkdv_rmw_ms", "dk/dv Gluon, load-add-store"),
+            ("dkdv_triton_ms", "dk/dv Triton, load-add-store"), ("dq_default_ms", dq), ("dq_reduce_ms", "dq Triton, TMA add"),
+            ("dq_rmw_ms", "dq Triton, load-add-store"), ("dq_triton_ms", "dq Triton (its first config), load-add-store")]
+    cols = [(k, name) for k, name in cols if any(k in r for r in d["rows"])]
+    lines = [f"**Masked kernels apart** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}; `{d['command']}`), "
+             "bf16, 32 heads × d 128, ms (the variants: benchmarks/NOTES.md, session 25):", "",
+             "| input | " + " | ".join(name for _, name in cols) + " |", "| --- " * (len(cols) + 1) + "|"]
+    for r in d["rows"]:
+        lines.append(f"| {r['input']} | " + " | ".join(_fmt(r.get(k), ".3f") for k, _ in cols) + " |")
+    if d.get("dense_rows"):
+        lines += ["", "Dense blocks, whole backward (dk/dv + dq kernels) ms, tiles added by a load, add and store "
+                  "(accumulator rows padded so TMA cannot index them) or through TMA, and cuDNN's backward:", "",
+                  "| B×H | S | d | causal | load-add-store | TMA add | cuDNN | ours/cuDNN speed (TMA) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in d["dense_rows"]:
+            lines.append(f"| {r['batch']}×{r['heads']} | {r['seqlen']} | {r['head_dim']} | {r['causal']} | "
+                         f"{r['bwd_rmw_ms']:.3f} | {r['bwd_tma_ms']:.3f} | {r['cudnn_bwd_ms']:.3f} | "
+                         f"{r['bwd_tma_vs_cudnn']:.2f} |")
+    return lines
+
+
 def ring(d: dict) -> list[str]:
     env = d["environment"]
     lines = [f"**Ring attention** ({env['gpus']}× {env['gpu']}, torch {env['torch']}, triton {env['triton']}; "
@@ -394,6 +423,7 @@ def headline(files: list[tuple[Path, dict]]) -> list[str]:
 SECTIONS = (("block_attention", "Block attention", block_attention), ("error_growth", "Error growth with the world size", error_growth),
             ("host_time", "Host time per call", host_time), ("lse_toolkit", "LSE toolkit", lse_toolkit),
             ("masked_attention", "Masked block attention (windows, packed documents)", masked_attention),
+            ("masked_probe", "Masked kernels apart", masked_probe),
             ("merge", "Fused merge", merge), ("ring", "Ring attention", ring))
 
 
