@@ -12,7 +12,7 @@ from ringlse import library
 from ringlse.blocks import get_block_op
 from ringlse.blocks.contract import BlockCall, BlockOp, planned_attention
 from ringlse.checks import check_flag, check_qkv, check_scale, lse_dtype
-from ringlse.masks import BlockKind, Rule, Span, block_intervals, block_kind, check_docs, check_window
+from ringlse.masks import BlockKind, Rule, Span, block_kind, check_docs, check_window, planned_intervals
 from ringlse.merge import PartSum
 
 
@@ -84,7 +84,7 @@ def _block_calls(op: BlockOp, rule: Rule, q0: int, q1: int, k0: int, k1: int, q_
         yield from _plain_calls(q0, q1, k0, k1, rule.causal, q_start, k_start)
         return
     if op.takes_intervals:
-        iv = block_intervals(rule, Span(q_start, q1 - q0), Span(k_start, k1 - k0), device="cpu")
+        iv = planned_intervals(rule, Span(q_start, q1 - q0), Span(k_start, k1 - k0))
         kind = iv.kind()
         if kind is BlockKind.FULL:
             yield BlockCall(q0, q1, k0, k1, False, 0, 0)
@@ -106,7 +106,7 @@ def _block_calls(op: BlockOp, rule: Rule, q0: int, q1: int, k0: int, k1: int, q_
             yield from _plain_calls(qa, qb, ka, kb, rule.causal, qs, ks)
             continue
         # a window as a rule: cut to the rows that see keys and the keys they see (`fa4_window_pieces`)
-        iv = block_intervals(Rule(rule.causal, rule.window), Span(qs, qb - qa), Span(ks, kb - ka), device="cpu")
+        iv = planned_intervals(Rule(rule.causal, rule.window), Span(qs, qb - qa), Span(ks, kb - ka))
         box, kind = iv.box(), iv.kind()
         if box is None:
             continue

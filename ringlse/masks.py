@@ -13,6 +13,7 @@ described by those intervals (`block_intervals`), never by a dense `[S, S]` mask
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -249,3 +250,11 @@ def block_intervals(rule: Rule, q: Span, k: Span, device: torch.device | str | N
     query_lo, query_hi = (q.local(b) for b in rule.query_bounds(k.positions(device)))
     key_hi, query_hi = torch.maximum(key_hi, key_lo), torch.maximum(query_hi, query_lo)
     return Intervals(*(x.to(torch.int32) for x in (key_lo, key_hi, query_lo, query_hi)))
+
+
+@functools.lru_cache(maxsize=64)
+def planned_intervals(rule: Rule, q: Span, k: Span) -> Intervals:
+    """`block_intervals` on the CPU for the plans, cached: every layer of a model, and each of its calls,
+    plans the same blocks under the same rule (32K tokens in 8 documents: 2 ms per block on a CPU core,
+    every call, before the cache). The tensors are shared: readers only."""
+    return block_intervals(rule, q, k, device="cpu")
