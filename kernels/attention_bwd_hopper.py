@@ -46,7 +46,8 @@ STAGES = 2
 def _tma_add(desc, coord, value, _semantic=None):
     """Add a register tile into global memory through TMA (`cp.reduce.async.bulk.tensor` add): Triton's
     `tt.descriptor_reduce`, which Gluon's TMA lowering stages through shared memory, but Gluon 3.6 does not
-    wrap for Hopper. Each element gets one float32 add, so it is bitwise a load, add and store."""
+    wrap for Hopper. Each element gets one float32 add (deterministic); a load, add and store may fuse
+    the scale into its add, so the two can differ in the last bit."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_descriptor_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, value.handle, coord)
 
