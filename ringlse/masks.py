@@ -252,9 +252,20 @@ def block_intervals(rule: Rule, q: Span, k: Span, device: torch.device | str | N
     return Intervals(*(x.to(torch.int32) for x in (key_lo, key_hi, query_lo, query_hi)))
 
 
-@functools.lru_cache(maxsize=64)
 def planned_intervals(rule: Rule, q: Span, k: Span) -> Intervals:
-    """`block_intervals` on the CPU for the plans, cached: every layer of a model, and each of its calls,
-    plans the same blocks under the same rule (32K tokens in 8 documents: 2 ms per block on a CPU core,
-    every call, before the cache). The tensors are shared: readers only."""
+    """`block_intervals` on the CPU for the plans, cached for blocks of up to `CACHED_ROWS` rows: every
+    layer of a model, and each of its calls, plans the same blocks under the same rule (32K tokens in 8
+    documents: 2 ms per block on a CPU core, every call, before the cache). Larger blocks are computed
+    each time (their kernels' time grows with the rows squared, the intervals' linearly; the cache holds
+    at most 64 x 8 bytes x `CACHED_ROWS`). The tensors are shared: readers only."""
+    if q.length + k.length > CACHED_ROWS:
+        return block_intervals(rule, q, k, device="cpu")
+    return _cached_intervals(rule, q, k)
+
+
+CACHED_ROWS = 1 << 17
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_intervals(rule: Rule, q: Span, k: Span) -> Intervals:
     return block_intervals(rule, q, k, device="cpu")
