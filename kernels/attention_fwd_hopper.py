@@ -24,6 +24,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -140,13 +141,14 @@ def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, 
 
 
 @gluon.jit
-def _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale,
+def _consume_tile(smem, bars, Out, o_desc, Lse, strides, t, it, count, walk, qk_scale,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                  CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr):
+                  CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, TMA_STORE: gl.constexpr):
     """A consumer warpgroup's share of work tile `t` (the `count`-th of its program, its first K/V tile
     the `it`-th through the ring): its 64 query rows (the `WG`-th slice) through every key tile, then
-    its own epilogue (the running state folded in with ACCUM). Returns the ring position after it."""
-    q_smem, k_smem, v_smem = smem
+    its own epilogue (the running state folded in with ACCUM; O through shared memory and a TMA store
+    with TMA_STORE). Returns the ring position after it."""
+    q_smem, k_smem, v_smem, o_smem = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls = strides
     num_m, BH, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi = walk
@@ -242,36 +244,48 @@ def _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale,
         m_o, l_o, acc = merge_fold(m_o, l_o, acc, old2, o_old, True)
     # rows that saw nothing: (0, -inf), never 0/0
     lse2, out = merge_finish(m_o, l_o, acc, True)
-    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
+    if TMA_STORE:
+        # one bulk copy instead of 32 scattered 4-byte stores per thread: the epilogue took ~1.7 us per
+        # program that way, a tile's time (H100 timeline, benchmarks/NOTES.md); TMA clips rows past the end
+        o_buf = o_smem.index(WG)
+        tma.store_wait(0)  # the previous tile's copy has read the buffer
+        o_buf.store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [off_b * SQ + r0, off_h * HEAD_D], o_buf)
+    else:
+        gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
     gl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=m_ok)
     return it + n_tiles
 
 
 @gluon.jit
-def _fwd_consume(smem, bars, Out, Lse, strides, walk, qk_scale,
+def _fwd_consume(smem, bars, Out, o_desc, Lse, strides, walk, qk_scale,
                  WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                 CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr):
+                 CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr,
+                 TMA_STORE: gl.constexpr):
     """A consumer warpgroup: its program's work tiles one after the other."""
     if PERSISTENT:
         it = 0
         count = 0
         for t in range(gl.program_id(0), walk[0] * walk[1], gl.num_programs(0)):
-            it = _consume_tile(smem, bars, Out, Lse, strides, t, it, count, walk, qk_scale, WG, BLOCK_M, BLOCK_N,
-                               HEAD_D, CAUSAL, INTERVALS, ACCUM)
+            it = _consume_tile(smem, bars, Out, o_desc, Lse, strides, t, it, count, walk, qk_scale, WG, BLOCK_M,
+                               BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE)
             count += 1
     else:
-        _consume_tile(smem, bars, Out, Lse, strides, gl.program_id(0), 0, 0, walk, qk_scale, WG, BLOCK_M, BLOCK_N,
-                      HEAD_D, CAUSAL, INTERVALS, ACCUM)
+        _consume_tile(smem, bars, Out, o_desc, Lse, strides, gl.program_id(0), 0, 0, walk, qk_scale, WG, BLOCK_M,
+                      BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE)
+    if TMA_STORE:
+        tma.store_wait(0)  # the buffer lives until the program ends
 
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
-    q_desc, k_desc, v_desc, Out, Lse,
+    q_desc, k_desc, v_desc, o_desc, Out, Lse,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
     B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Persistent: `min(#SMs, work tiles)` programs walk the `cdiv(SQ, BLOCK_M) * B * H` work tiles.
     Descriptors over `[B * S, heads * HEAD_D]` views (Q's box 64 rows). `BLOCK_M / 64` consumer
@@ -283,6 +297,8 @@ def _attn_fwd_hopper_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    # O's staging for the TMA store, apart from Q's: a persistent program's next Q may be landing already
+    o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS if TMA_STORE else 1] + o_desc.block_type.shape, o_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -297,7 +313,7 @@ def _attn_fwd_hopper_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
-    smem = (q_smem, k_smem, v_smem)
+    smem = (q_smem, k_smem, v_smem, o_smem)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     strides = (stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls)
     descs = (q_desc, k_desc, v_desc)
@@ -305,21 +321,21 @@ def _attn_fwd_hopper_kernel(
     # (tuples built by `+` do not reach the partitions: every argument list is written out)
     if CONSUMERS == 2:
         gl.warp_specialize((
-            (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
-                            INTERVALS, ACCUM, PERSISTENT)),
-            (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
-                            INTERVALS, ACCUM, PERSISTENT)),
+            (_fwd_consume, (smem, bars, Out, o_desc, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D,
+                            CAUSAL, INTERVALS, ACCUM, PERSISTENT, TMA_STORE)),
+            (_fwd_consume, (smem, bars, Out, o_desc, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D,
+                            CAUSAL, INTERVALS, ACCUM, PERSISTENT, TMA_STORE)),
             (_fwd_load, (descs, smem, bars, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, PERSISTENT)),
         ), [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.static_assert(CONSUMERS == 3)
         gl.warp_specialize((
-            (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
-                            INTERVALS, ACCUM, PERSISTENT)),
-            (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
-                            INTERVALS, ACCUM, PERSISTENT)),
-            (_fwd_consume, (smem, bars, Out, Lse, strides, walk, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL,
-                            INTERVALS, ACCUM, PERSISTENT)),
+            (_fwd_consume, (smem, bars, Out, o_desc, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D,
+                            CAUSAL, INTERVALS, ACCUM, PERSISTENT, TMA_STORE)),
+            (_fwd_consume, (smem, bars, Out, o_desc, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D,
+                            CAUSAL, INTERVALS, ACCUM, PERSISTENT, TMA_STORE)),
+            (_fwd_consume, (smem, bars, Out, o_desc, Lse, strides, walk, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D,
+                            CAUSAL, INTERVALS, ACCUM, PERSISTENT, TMA_STORE)),
             (_fwd_load, (descs, smem, bars, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, PERSISTENT)),
         ), [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
@@ -389,20 +405,24 @@ def hopper_forward(
     `attention_fwd.attention_forward`) `causal` is False. `config` (benchmarks only) replaces the table's."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    if b > 1 and sk % BLOCK_N:
+    intervals = key_lo is not None
+    cfg = config if config is not None else (INTERVAL_CONFIGS[d] if intervals else CONFIGS[(d, causal)])
+    block_m, block_n, persistent = cfg.block_m, BLOCK_N, cfg.persistent
+    # O through TMA (non-merging 128-row tiles): 1.01-1.09x on H200 (masks, dense d 128); the 192-row (d 64)
+    # tiles lost with it, 0.92-0.96x at S 8K (88 B of spills persistent): fwd_ab_tma_store-NVIDIA_H200.json
+    tma_store = block_m == 128 and not accum and out.dtype == q.dtype and tma_indexable(out)
+    if b > 1 and (sk % block_n or (tma_store and sq % block_m)):
         # the descriptors see the batch as one [b * s] matrix: a partial last key tile would read the next
-        # element's first keys (masked, but a NaN or inf there would still reach P V); one launch per element
-        # lets TMA fill the tile's tail with zeros instead
+        # element's first keys (masked, but a NaN or inf there would still reach P V), a partial last O
+        # tile would overwrite its first rows; one launch per element lets TMA fill and clip at the end
         for i in range(b):
             hopper_forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], out[i:i + 1], lse[i:i + 1], softmax_scale=softmax_scale,
                            causal=causal, offset=offset, accum=accum, config=config, key_lo=key_lo, key_hi=key_hi)
         return
-    intervals = key_lo is not None
-    cfg = config if config is not None else (INTERVAL_CONFIGS[d] if intervals else CONFIGS[(d, causal)])
-    block_m, block_n, persistent = cfg.block_m, BLOCK_N, cfg.persistent
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     descs = []
-    for t, rows in ((q, 64), (k, block_n), (v, block_n)):
+    # O's descriptor: Q's box over `out` (Q's own, unused, without the TMA store)
+    for t, rows in ((q, 64), (k, block_n), (v, block_n), (out if tma_store else q, 64)):
         shape, strides = rows_view(t)
         layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
         descs.append(TensorDescriptor(t, shape, strides, [rows, d], layout))
@@ -417,7 +437,7 @@ def hopper_forward(
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         b, h, h // hkv, sq, sk, offset, softmax_scale * 1.4426950408889634, key_lo, key_hi,
         HEAD_D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, CAUSAL=causal, INTERVALS=intervals, ACCUM=accum,
-        PERSISTENT=persistent, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg,
+        PERSISTENT=persistent, TMA_STORE=tma_store, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg,
     )
 
 

@@ -74,6 +74,10 @@ CASES = [
     pytest.param((2, 300, 1025, 4, 4, 128), False, (0, 0), id="300x1025x4x128-full"),
     pytest.param((1, 640, 256, 2, 1, 64), True, (-130, 0), id="640x256x2of1x64-rows-see-nothing"),
     pytest.param((1, 3000, 2500, 16, 16, 64), False, (0, 0), id="3000x2500x16x64-many-work-tiles"),
+    # O leaves through TMA over the batch seen as [b * s] rows: a last tile past an element's end (192 rows
+    # in 128-row tiles, 128 in 192-row ones) must not land on the next element's first rows
+    pytest.param((2, 192, 256, 4, 2, 128), False, (0, 0), id="2x192x256x4of2x128-full-o-tile-past-the-end"),
+    pytest.param((3, 128, 128, 2, 2, 64), True, (0, 0), id="3x128x2x64-causal-o-tile-past-the-end"),
 ]
 
 

@@ -1,0 +1,93 @@
+"""A/B of the Hopper forward kernel in one process: a former version (a copy of
+`kernels/attention_fwd_hopper.py`, e.g. `git show REV:kernels/attention_fwd_hopper.py > FILE`) against the
+installed one, on masked_attention.py's inputs (b1 h32 d128 bf16, S 32K; the plain causal batches with the
+same pairs) and issue 32's dense blocks (d 64 and 128, causal and not). Each pair is timed in alternation
+(before, after, before, after: the better of each side's two medians) and its outputs compared.
+
+Usage (on a GPU): python benchmarks/fwd_ab.py --before FILE [--out DIR] [--seqlen S]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from block_attention import _bench, save_result  # noqa: E402
+from masked_probe import cases  # noqa: E402
+
+
+def load_module(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def all_cases(s: int) -> list[tuple[str, int, int, int, int, dict, int]]:
+    """(name, batch, seqlen, heads, head dim, mask kwargs, visible pairs per head)."""
+    out = [(name, b, sb, 32, 128, {k_: v_ for k_, v_ in mask.items() if k_ in ("causal", "key_lo", "key_hi")}, pairs)
+           for name, b, sb, mask, pairs in cases(s)]
+    for b, h, sd, d in ((2, 16, 8192, 128), (2, 16, 8192, 64), (1, 32, 16384, 64)):
+        for causal in (False, True):
+            pairs = b * (sd * (sd + 1) // 2 if causal else sd * sd)
+            out.append((f"dense b{b} h{h} s{sd} d{d} {'causal' if causal else 'full'}", b, sd, h, d,
+                        dict(causal=causal), pairs))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--before", required=True, help="a former attention_fwd_hopper.py")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--seqlen", type=int, default=32768)
+    args = ap.parse_args()
+    import triton
+
+    from ringlse.kernels import attention_fwd_hopper as after
+
+    before = load_module(args.before, "attention_fwd_hopper_before")
+    rows = []
+    for name, b, s, h, d, mask, pairs in all_cases(args.seqlen):
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        outs = {}
+        fns = {}
+        for side, mod in (("before", before), ("after", after)):
+            o = torch.empty_like(q)
+            lse = torch.empty(b, h, s, dtype=torch.float32, device="cuda")
+
+            def fn(_i, mod=mod, o=o, lse=lse):
+                mod.hopper_forward(q, k, v, o, lse, softmax_scale=d**-0.5, offset=0, accum=False, **mask)
+            fn(0)
+            outs[side] = (o, lse)
+            fns[side] = fn
+        torch.cuda.synchronize()
+        diff = max((outs["before"][0].float() - outs["after"][0].float()).abs().max().item(),
+                   (outs["before"][1] - outs["after"][1]).nan_to_num(0.0).abs().max().item())
+        ms = {"before": [], "after": []}
+        for _ in range(2):
+            for side in ("before", "after"):
+                ms[side].append(_bench(fns[side], 1))
+        fl = 4.0 * h * d * pairs
+        row = {"input": name, "batch": b, "seqlen": s, "heads": h, "head_dim": d, "visible_pairs": pairs,
+               "max_abs_diff": diff, "before_ms": min(ms["before"]), "after_ms": min(ms["after"]),
+               "before_ms_runs": ms["before"], "after_ms_runs": ms["after"]}
+        row["before_tflops"] = fl / row["before_ms"] / 1e9
+        row["after_tflops"] = fl / row["after_ms"] / 1e9
+        row["speedup"] = row["before_ms"] / row["after_ms"]
+        rows.append(row)
+        print(f"{name:<34} diff {diff:.3g}  before {row['before_tflops']:6.1f}  after {row['after_tflops']:6.1f}"
+              f"  x{row['speedup']:.3f}", flush=True)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "python": platform.python_version(), "command": " ".join(sys.argv), "rows": rows}
+    if args.out:
+        print(save_result(args.out, "fwd_ab", result))
+
+
+if __name__ == "__main__":
+    main()
