@@ -1,8 +1,9 @@
 """A/B of the Hopper forward kernel in one process: a former version (a copy of
 `kernels/attention_fwd_hopper.py`, e.g. `git show REV:kernels/attention_fwd_hopper.py > FILE`) against the
 installed one, on masked_attention.py's inputs (b1 h32 d128 bf16, S 32K; the plain causal batches with the
-same pairs) and issue 32's dense blocks (d 64 and 128, causal and not). Each pair is timed in alternation
-(before, after, before, after: the better of each side's two medians) and its outputs compared.
+same pairs) and issue 32's dense blocks (d 64 and 128, causal and not). The two (and any `--variants`
+of the installed kernel) are timed in alternation, twice over (the better of each one's two medians), and
+their outputs compared.
 
 Usage (on a GPU): python benchmarks/fwd_ab.py --before FILE [--out DIR] [--seqlen S]
 """
@@ -46,6 +47,8 @@ def main() -> None:
     ap.add_argument("--before", required=True, help="a former attention_fwd_hopper.py")
     ap.add_argument("--out", default=None)
     ap.add_argument("--seqlen", type=int, default=32768)
+    ap.add_argument("--variants", default="", help="also the installed kernel with these configs, e.g. "
+                    "'128:0,192:1' (block_m:persistent; 192 only at head dim 64)")
     args = ap.parse_args()
     import triton
 
@@ -66,12 +69,24 @@ def main() -> None:
             fn(0)
             outs[side] = (o, lse)
             fns[side] = fn
+        for var in filter(None, args.variants.split(",")):
+            bm, pers = (int(x) for x in var.split(":"))
+            if bm == 192 and (d != 64 or "key_lo" in mask):
+                continue
+            o = torch.empty_like(q)
+            lse = torch.empty(b, h, s, dtype=torch.float32, device="cuda")
+
+            def fn(_i, o=o, lse=lse, cfg=after.HopperConfig(bm, bool(pers))):
+                after.hopper_forward(q, k, v, o, lse, softmax_scale=d**-0.5, offset=0, accum=False, config=cfg, **mask)
+            fn(0)
+            outs[var] = (o, lse)
+            fns[var] = fn
         torch.cuda.synchronize()
         diff = max((outs["before"][0].float() - outs["after"][0].float()).abs().max().item(),
                    (outs["before"][1] - outs["after"][1]).nan_to_num(0.0).abs().max().item())
-        ms = {"before": [], "after": []}
+        ms = {side: [] for side in fns}
         for _ in range(2):
-            for side in ("before", "after"):
+            for side in fns:  # every variant in the same alternation: clocks drift over a run
                 ms[side].append(_bench(fns[side], 1))
         fl = 4.0 * h * d * pairs
         row = {"input": name, "batch": b, "seqlen": s, "heads": h, "head_dim": d, "visible_pairs": pairs,
@@ -80,9 +95,17 @@ def main() -> None:
         row["before_tflops"] = fl / row["before_ms"] / 1e9
         row["after_tflops"] = fl / row["after_ms"] / 1e9
         row["speedup"] = row["before_ms"] / row["after_ms"]
+        for var in [x for x in fns if x not in ("before", "after")]:
+            row[f"variant_{var}_diff"] = max(
+                (outs["before"][0].float() - outs[var][0].float()).abs().max().item(),
+                (outs["before"][1] - outs[var][1]).nan_to_num(0.0).abs().max().item())
+            row[f"variant_{var}_ms"] = min(ms[var])
+            row[f"variant_{var}_speedup"] = row["before_ms"] / row[f"variant_{var}_ms"]
         rows.append(row)
         print(f"{name:<34} diff {diff:.3g}  before {row['before_tflops']:6.1f}  after {row['after_tflops']:6.1f}"
-              f"  x{row['speedup']:.3f}", flush=True)
+              f"  x{row['speedup']:.3f}" + "".join(f"  {k_[8:-8]} x{v_:.3f}" for k_, v_ in row.items()
+                                                    if k_.startswith("variant_") and k_.endswith("_speedup")),
+              flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "python": platform.python_version(), "command": " ".join(sys.argv), "rows": rows}
     if args.out:

@@ -39,16 +39,18 @@ def _edits(src: str) -> str:
         assert src.count(old) == count, (old, src.count(old))
         src = src.replace(old, new)
 
-    sub("num_m, BH, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi = walk", "num_m, BH, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Tl = walk", 2)
-    sub("B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi,\n", "B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi, Tl,\n")
-    sub("walk = (num_m, B * H, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi)",
-        f"walk = (num_m, B * H, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Tl)\n"
+    sub("num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL = walk",
+        "num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL, Tl = walk", 3)
+    sub("B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi, Counter,\n",
+        "B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi, Counter, Tl,\n")
+    sub("walk = (num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, num_m * B * H)",
+        f"walk = (num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, num_m * B * H, Tl)\n"
         f"    gl.store(Tl + gl.program_id(0) * {SLOTS} + 0, {CLOCK})\n"
         f"    gl.store(Tl + gl.program_id(0) * {SLOTS} + 6, {SMID}.to(gl.int64))")
     # loader: after Q's TMA is issued
-    sub("                                        q_smem.index(c))\n",
-        "                                        q_smem.index(c))\n"
-        f"    gl.store(walk[9] + t * {SLOTS} + 1, {CLOCK})\n")
+    sub("                                        q_smem.index(qs * CONSUMERS + c))\n",
+        "                                        q_smem.index(qs * CONSUMERS + c))\n"
+        f"    gl.store(walk[10] + t * {SLOTS} + 1, {CLOCK})\n")
     # first consumer: bounds known, first S back, loop done, epilogue stored
     sub("    m_i = gl.full([ROWS], float(\"-inf\"), gl.float32, row_layout)\n",
         "    m_i = gl.full([ROWS], float(\"-inf\"), gl.float32, row_layout)\n"
@@ -66,7 +68,7 @@ def _edits(src: str) -> str:
         "    return it + n_tiles\n\n\n@gluon.jit\ndef _fwd_consume")
     # loader's end, and the default partition past the join
     sub("    return it + n_tiles\n\n\n@gluon.jit\ndef _fwd_load",
-        f"    gl.store(walk[9] + t * {SLOTS} + 9, {CLOCK})\n"
+        f"    gl.store(walk[10] + t * {SLOTS} + 9, {CLOCK})\n"
         "    return it + n_tiles\n\n\n@gluon.jit\ndef _fwd_load")
     sub("        ), [4, 1], [CONSUMER_REGS, 24])\n",
         "        ), [4, 1], [CONSUMER_REGS, 24])\n"
@@ -99,16 +101,16 @@ def launch(T, q, k, v, out, lse, tl, scale, causal, key_lo=None, key_hi=None):
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     descs = []
-    for t, rows in ((q, 64), (k, 128), (v, 128), (out, 64)):
+    for t, rows in ((q, 64), (k, 128), (v, 128), (out, 64)):  # O through TMA, as 128-row tiles do
         shape, strides = rows_view(t)
         layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
         descs.append(T.TensorDescriptor(t, shape, strides, [rows, d], layout))
     total = triton.cdiv(sq, 128) * b * h
     T._attn_fwd_hopper_kernel[(total,)](
         *descs, out, lse, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
-        b, h, h // hkv, sq, sk, 0, scale * 1.4426950408889634, key_lo, key_hi, tl,
+        b, h, h // hkv, sq, sk, 0, scale * 1.4426950408889634, key_lo, key_hi, lse, tl,
         HEAD_D=d, BLOCK_M=128, BLOCK_N=128, STAGES=2, CAUSAL=causal, INTERVALS=key_lo is not None, ACCUM=False,
-        PERSISTENT=False, TMA_STORE=True, CONSUMER_REGS=240, num_warps=4, maxnreg=168)
+        PERSISTENT=False, DYNAMIC=False, TMA_STORE=True, CONSUMER_REGS=240, num_warps=4, maxnreg=168)
     return total
 
 

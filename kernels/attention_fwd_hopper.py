@@ -11,8 +11,11 @@ Structure (FlashAttention-3's): a program owns `BLOCK_M` (128 or 192) query rows
 consumer warpgroup per 64 rows and one loader warp. The loader brings Q and the K/V tiles through a ring
 of `STAGES` shared-memory slots, each guarded by a "ready" mbarrier (TMA bytes landed) and an "empty" one
 (the consumers are done reading). Consumers issue `S = Q K^T` from shared memory, do the online softmax
-in registers and issue `O += P V` with P straight from registers, each at its own pace. Programs take one
-work tile each, or walk them persistently (`CONFIGS`: measured per head dim and mask).
+in registers and issue `O += P V` with P straight from registers, each at its own pace; O leaves
+through shared memory and a TMA store (128-row tiles). Programs take one work tile each, or run
+persistently (`CONFIGS`: measured per head dim and mask): even tiles round-robin, uneven ones (interval
+masks) taken from a global counter by the loader as it goes, which publishes each tile's walk to the
+consumers through a small ring in shared memory, while they finish the tile before.
 """
 from __future__ import annotations
 
@@ -52,52 +55,105 @@ def interval_walk(Lo, Hi, r0, ROWS_TOTAL, LIMIT, ROWS: gl.constexpr, BLOCK: gl.c
 
 
 @gluon.jit
+def _tile_coords(t, walk, BLOCK_M: gl.constexpr, LONGEST_FIRST: gl.constexpr):
+    """Work tile `t`'s `(off_b, off_h, off_hk, m0)`. The query tiles of a head are consecutive, so the
+    programs in flight read the same K/V (from L2); causal and interval blocks go longest first, the short
+    tiles handed out last."""
+    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL = walk
+    bh = t // num_m
+    pid_m = t % num_m
+    if LONGEST_FIRST:
+        pid_m = num_m - 1 - pid_m
+    off_h = bh % H
+    return bh // H, off_h, off_h // GROUP, pid_m * BLOCK_M
+
+
+@gluon.jit
 def _work_tile(t, walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                INTERVALS: gl.constexpr):
     """Work tile `t`: `(off_b, off_h, off_hk, m0, n_lo, full_lo, full_hi, n_tiles)`: key tiles from `n_lo`,
-    those inside `[full_lo, full_hi)` unmasked. The query tiles of a head are consecutive, so the programs
-    in flight read the same K/V (from L2). Causal and interval blocks (one program per tile) go longest
-    first: the hardware hands the short tiles out last."""
-    num_m, BH, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi = walk
-    bh = t // num_m
-    pid_m = t % num_m
-    if CAUSAL or INTERVALS:
-        pid_m = num_m - 1 - pid_m
-    off_h = bh % H
-    m0 = pid_m * BLOCK_M
+    those inside `[full_lo, full_hi)` unmasked."""
+    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL = walk
+    off_b, off_h, off_hk, m0 = _tile_coords(t, walk, BLOCK_M, CAUSAL or INTERVALS)
     if INTERVALS:
         n_lo, full_lo, full_hi, n_hi = interval_walk(KeyLo, KeyHi, m0, SQ, SK, BLOCK_M, BLOCK_N)
     else:
         n_lo = 0
         full_lo = 0
         full_hi, n_hi = query_tile_key_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
-    return bh // H, off_h, off_h // GROUP, m0, n_lo, full_lo, full_hi, gl.cdiv(n_hi - n_lo, BLOCK_N)
+    return off_b, off_h, off_hk, m0, n_lo, full_lo, full_hi, gl.cdiv(n_hi - n_lo, BLOCK_N)
 
 
 @gluon.jit
-def _load_tile(descs, smem, bars, t, it, count, walk,
+def _publish(info, count, t, n_lo, full_lo, full_hi, n_tiles):
+    """The loader tells the consumers their `count`-th work tile (`t < 0`: none left) through a 2-slot
+    ring in shared memory: they need not recompute its walk (loads of the row bounds and reductions,
+    ~1.5 us that sat before each tile's first S: H100 timeline, benchmarks/NOTES.md)."""
+    info_smem, info_ready, info_empty = info
+    slot = count % 2
+    mbarrier.wait(info_empty.index(slot), ((count // 2) & 1) ^ 1)
+    idx = gl.arange(0, 8, gl.BlockedLayout([8], [32], [gl.num_warps()], [0]))
+    vals = gl.where(idx == 0, t, gl.where(idx == 1, n_lo, gl.where(idx == 2, full_lo,
+                                                                   gl.where(idx == 3, full_hi, n_tiles))))
+    info_smem.index(slot).store(vals)
+    mbarrier.arrive(info_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _peek(info, count):
+    """The `count`-th work tile's index `t` (`< 0`: none left), once the loader has published it."""
+    info_smem, info_ready, info_empty = info
+    slot = count % 2
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+    mbarrier.wait(info_ready.index(slot), (count // 2) & 1)
+    vals = info_smem.index(slot).load(layout)
+    return gl.sum(gl.where(gl.arange(0, 8, layout) == 0, vals, 0), 0)
+
+
+@gluon.jit
+def _receive(info, count):
+    """A consumer's `count`-th work tile from the loader (published: see `_peek`), `(t, n_lo, full_lo,
+    full_hi, n_tiles)`, its slot handed back."""
+    info_smem, info_ready, info_empty = info
+    slot = count % 2
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+    vals = info_smem.index(slot).load(layout)
+    mbarrier.arrive(info_empty.index(slot), count=1)
+    idx = gl.arange(0, 8, layout)
+    return (gl.sum(gl.where(idx == 0, vals, 0), 0), gl.sum(gl.where(idx == 1, vals, 0), 0),
+            gl.sum(gl.where(idx == 2, vals, 0), 0), gl.sum(gl.where(idx == 3, vals, 0), 0),
+            gl.sum(gl.where(idx == 4, vals, 0), 0))
+
+
+@gluon.jit
+def _load_tile(descs, smem, bars, info, t, it, count, walk,
                HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-               INTERVALS: gl.constexpr):
+               INTERVALS: gl.constexpr, DYNAMIC: gl.constexpr):
     """The loader's work tile `t` (the `count`-th of this program, its first K/V tile the `it`-th through
-    the ring): Q once the consumers are done with the previous tile's, then K and V tile by tile, a slot
-    reused once the consumers released it. Returns the ring position after it."""
+    the ring): its walk published to the consumers (DYNAMIC), Q into its slot once the consumers are done
+    with the tile before last's, then K and V tile by tile, a slot reused once the consumers released it.
+    Returns the ring position after it."""
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
-    SQ = walk[4]
-    SK = walk[5]
+    SQ = walk[3]
+    SK = walk[4]
     STAGES: gl.constexpr = k_smem.type.shape[0]
+    Q_SLOTS: gl.constexpr = q_ready.type.shape[0]
     # Q in 64-row pieces, one per consumer (a 192-row tile is no TMA box: boxes are powers of two)
-    CONSUMERS: gl.constexpr = q_smem.type.shape[0]
+    CONSUMERS: gl.constexpr = q_smem.type.shape[0] // Q_SLOTS
     ROWS: gl.constexpr = q_smem.type.shape[1]
     off_b, off_h, off_hk, m0, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL,
                                                                            INTERVALS)
+    if DYNAMIC:
+        _publish(info, count, t, n_lo, full_lo, full_hi, n_tiles)
+    qs = count % Q_SLOTS
     # a fresh mbarrier counts as having completed phase 1: the first waits on "empty" return at once
-    mbarrier.wait(q_empty, (count & 1) ^ 1)
-    mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
+    mbarrier.wait(q_empty.index(qs), ((count // Q_SLOTS) & 1) ^ 1)
+    mbarrier.expect(q_ready.index(qs), CONSUMERS * q_desc.block_type.nbytes)
     for c in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [off_b * SQ + m0 + c * ROWS, off_h * HEAD_D], q_ready,
-                                        q_smem.index(c))
+        tma.async_copy_global_to_shared(q_desc, [off_b * SQ + m0 + c * ROWS, off_h * HEAD_D], q_ready.index(qs),
+                                        q_smem.index(qs * CONSUMERS + c))
     for i in range(n_tiles):
         s = (it + i) % STAGES
         ph = (((it + i) // STAGES) & 1) ^ 1
@@ -112,18 +168,36 @@ def _load_tile(descs, smem, bars, t, it, count, walk,
 
 
 @gluon.jit
-def _fwd_load(descs, smem, bars, walk,
+def _fwd_load(descs, smem, bars, info, walk,
               HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-              INTERVALS: gl.constexpr, PERSISTENT: gl.constexpr):
-    """The loader warp: its program's work tiles one after the other."""
-    if PERSISTENT:
-        it = 0
-        count = 0
-        for t in range(gl.program_id(0), walk[0] * walk[1], gl.num_programs(0)):
-            it = _load_tile(descs, smem, bars, t, it, count, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS)
-            count += 1
+              INTERVALS: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The loader warp: its program's work tiles one after the other. DYNAMIC programs (persistent ones
+    over uneven tiles: causal, interval masks) take the next tile from a global counter as they go, in the
+    order the hardware hands out one program per tile and balanced as it balances them, and tell the
+    consumers which (and "none left" at the end); the others walk `t = program_id + j * num_programs`
+    (one tile each when there are as many programs as tiles)."""
+    Counter = walk[8]
+    TOTAL = walk[9]
+    it = 0
+    count = 0
+    if not PERSISTENT:
+        _load_tile(descs, smem, bars, info, gl.program_id(0), 0, 0, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL,
+                   INTERVALS, False)
+        return
+    if DYNAMIC:
+        t = gl.atomic_add(Counter, 1)
     else:
-        _load_tile(descs, smem, bars, gl.program_id(0), 0, 0, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS)
+        t = gl.program_id(0)
+    while t < TOTAL:
+        it = _load_tile(descs, smem, bars, info, t, it, count, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS,
+                        DYNAMIC)
+        count += 1
+        if DYNAMIC:
+            t = gl.atomic_add(Counter, 1)
+        else:
+            t += gl.num_programs(0)
+    if DYNAMIC:
+        _publish(info, count, -1, 0, 0, 0, 0)
 
 
 @gluon.jit
@@ -141,18 +215,21 @@ def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, 
 
 
 @gluon.jit
-def _consume_tile(smem, bars, Out, o_desc, Lse, strides, t, it, count, walk, qk_scale,
+def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, qk_scale,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                   CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, TMA_STORE: gl.constexpr):
-    """A consumer warpgroup's share of work tile `t` (the `count`-th of its program, its first K/V tile
-    the `it`-th through the ring): its 64 query rows (the `WG`-th slice) through every key tile, then
-    its own epilogue (the running state folded in with ACCUM; O through shared memory and a TMA store
-    with TMA_STORE). Returns the ring position after it."""
-    q_smem, k_smem, v_smem, o_smem = smem
+    """A consumer warpgroup's share of work tile `tile = (t, n_lo, full_lo, full_hi, n_tiles)` (the
+    `count`-th of its program, its first K/V tile the `it`-th through the ring): its 64 query rows (the
+    `WG`-th slice) through every key tile, then its own epilogue (the running state folded in with ACCUM;
+    O through its Q rows' shared memory and a TMA store with TMA_STORE). Returns the ring position after it."""
+    q_smem, k_smem, v_smem = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls = strides
-    num_m, BH, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi = walk
+    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL = walk
+    t, n_lo, full_lo, full_hi, n_tiles = tile
     STAGES: gl.constexpr = k_smem.type.shape[0]
+    Q_SLOTS: gl.constexpr = q_ready.type.shape[0]
+    CONSUMERS: gl.constexpr = q_smem.type.shape[0] // Q_SLOTS
     ROWS: gl.constexpr = q_smem.type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -162,12 +239,12 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, t, it, count, walk, qk_
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = v_smem.dtype
-    q_rows = q_smem.index(WG)
+    qs = count % Q_SLOTS
+    q_rows = q_smem.index(qs * CONSUMERS + WG)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     offs_n0 = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
     offs_d = gl.arange(0, HEAD_D, gl.SliceLayout(0, o_layout))
-    off_b, off_h, off_hk, m0, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL,
-                                                                           INTERVALS)
+    off_b, off_h, off_hk, m0 = _tile_coords(t, walk, BLOCK_M, CAUSAL or INTERVALS)
     r0 = m0 + WG * ROWS
     offs_m = r0 + gl.arange(0, ROWS, row_layout)
     if INTERVALS:
@@ -181,7 +258,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, t, it, count, walk, qk_
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-    mbarrier.wait(q_ready, count & 1)
+    mbarrier.wait(q_ready.index(qs), (count // Q_SLOTS) & 1)
     if n_tiles > 0:
         # FlashAttention-3's intra-warpgroup overlap: S of tile i is issued before P V of tile i-1, so
         # the softmax of tile i runs while the tensor cores do P V of tile i-1 (600 against 577 TFLOP/s
@@ -212,16 +289,17 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, t, it, count, walk, qk_
             mbarrier.arrive(v_empty.index(sp), count=1)
             acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-        # every S of this work tile is done: the loader may bring the next tile's Q
-        mbarrier.arrive(q_empty, count=1)
+        if not TMA_STORE:
+            # every S of this work tile is done: the loader may bring a later tile's Q
+            mbarrier.arrive(q_empty.index(qs), count=1)
         sp = (it + n_tiles - 1) % STAGES
         v_buf = v_smem.index(sp)
         mbarrier.wait(v_ready.index(sp), ((it + n_tiles - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
         acc, _ = warpgroup_mma_wait(0, deps=[acc, v_buf])
         mbarrier.arrive(v_empty.index(sp), count=1)
-    else:
-        mbarrier.arrive(q_empty, count=1)
+    elif not TMA_STORE:
+        mbarrier.arrive(q_empty.index(qs), count=1)
 
     if INTERVALS:
         # rows that see no key of this block: the empty state, whatever the unmasked tiles made of them
@@ -247,11 +325,12 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, t, it, count, walk, qk_
     if TMA_STORE:
         # one bulk copy instead of 32 scattered 4-byte stores per thread: the epilogue took ~1.7 us per
         # program that way, a tile's time (H100 timeline, benchmarks/NOTES.md); TMA clips rows past the end
-        o_buf = o_smem.index(WG)
-        tma.store_wait(0)  # the previous tile's copy has read the buffer
-        o_buf.store(out.to(dtype))
+        # (staged in this warpgroup's Q rows, free since its last S; the loader refills them once read)
+        q_rows.store(out.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [off_b * SQ + r0, off_h * HEAD_D], o_buf)
+        tma.async_copy_shared_to_global(o_desc, [off_b * SQ + r0, off_h * HEAD_D], q_rows)
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty.index(qs), count=1)
     else:
         gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
     gl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=m_ok)
@@ -259,84 +338,108 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, t, it, count, walk, qk_
 
 
 @gluon.jit
-def _fwd_consume(smem, bars, Out, o_desc, Lse, strides, walk, qk_scale,
+def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale,
                  WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                 CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr,
-                 TMA_STORE: gl.constexpr):
-    """A consumer warpgroup: its program's work tiles one after the other."""
-    if PERSISTENT:
-        it = 0
-        count = 0
-        for t in range(gl.program_id(0), walk[0] * walk[1], gl.num_programs(0)):
-            it = _consume_tile(smem, bars, Out, o_desc, Lse, strides, t, it, count, walk, qk_scale, WG, BLOCK_M,
-                               BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE)
+                 CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, TMA_STORE: gl.constexpr,
+                 PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """A consumer warpgroup: its program's work tiles one after the other (DYNAMIC: the ones the loader
+    hands it)."""
+    it = 0
+    count = 0
+    if DYNAMIC:
+        # (only the ring positions cross iterations: a tile's walk carried from one to the next cost
+        # registers the main loop spilled at head dim 64)
+        while _peek(info, count) >= 0:
+            it = _consume_tile(smem, bars, Out, o_desc, Lse, strides, _receive(info, count), it, count, walk,
+                               qk_scale, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE)
+            count += 1
+    elif PERSISTENT:
+        # (a tile index that is arithmetic on the program id keeps the walk out of registers: read from
+        # the loader, the head dim 64 main loop spilled 116 B non-causal; causal, the other way round)
+        for t in range(gl.program_id(0), walk[9], gl.num_programs(0)):
+            _, _, _, _, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS)
+            it = _consume_tile(smem, bars, Out, o_desc, Lse, strides, (t, n_lo, full_lo, full_hi, n_tiles), it,
+                               count, walk, qk_scale, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM,
+                               TMA_STORE)
             count += 1
     else:
-        _consume_tile(smem, bars, Out, o_desc, Lse, strides, gl.program_id(0), 0, 0, walk, qk_scale, WG, BLOCK_M,
-                      BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE)
-    if TMA_STORE:
-        tma.store_wait(0)  # the buffer lives until the program ends
+        # one tile: ring positions known at compile time (a loop of one ran 1.5-2% slower, d 128 causal)
+        t = gl.program_id(0)
+        _, _, _, _, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS)
+        _consume_tile(smem, bars, Out, o_desc, Lse, strides, (t, n_lo, full_lo, full_hi, n_tiles), 0, 0, walk,
+                      qk_scale, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE)
 
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, Out, Lse,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-    B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi,
+    B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi, Counter,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr,
-    TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    DYNAMIC: gl.constexpr, TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
-    """Persistent: `min(#SMs, work tiles)` programs walk the `cdiv(SQ, BLOCK_M) * B * H` work tiles.
+    """Persistent: `min(#SMs, work tiles)` programs take the `cdiv(SQ, BLOCK_M) * B * H` work tiles from
+    `Counter` (int32, 0 at launch); else one program per work tile.
     Descriptors over `[B * S, heads * HEAD_D]` views (Q's box 64 rows). `BLOCK_M / 64` consumer
     warpgroups (the default partition and one or two workers, 4 warps each, which never wait for each
     other) and a loader warp; `num_warps` must be 4."""
     num_m = gl.cdiv(SQ, BLOCK_M)
     dtype: gl.constexpr = q_desc.dtype
     CONSUMERS: gl.constexpr = BLOCK_M // 64
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    # two Q slots in persistent programs: the next tile's Q lands while this one runs
+    Q_SLOTS: gl.constexpr = 2 if PERSISTENT else 1
+    q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS * CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    # O's staging for the TMA store, apart from Q's: a persistent program's next Q may be landing already
-    o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS if TMA_STORE else 1] + o_desc.block_type.shape, o_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
+    info_smem = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    info_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    info_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=CONSUMERS)
+    for i in gl.static_range(Q_SLOTS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)
+    for i in gl.static_range(2):
+        mbarrier.init(info_ready.index(i), count=1)
+        mbarrier.init(info_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
-    smem = (q_smem, k_smem, v_smem, o_smem)
+    smem = (q_smem, k_smem, v_smem)
+    info = (info_smem, info_ready, info_empty)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     strides = (stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls)
     descs = (q_desc, k_desc, v_desc)
-    walk = (num_m, B * H, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi)
+    walk = (num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, num_m * B * H)
     # (tuples built by `+` do not reach the partitions: every argument list is written out)
     if CONSUMERS == 2:
         gl.warp_specialize((
-            (_fwd_consume, (smem, bars, Out, o_desc, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D,
-                            CAUSAL, INTERVALS, ACCUM, PERSISTENT, TMA_STORE)),
-            (_fwd_consume, (smem, bars, Out, o_desc, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D,
-                            CAUSAL, INTERVALS, ACCUM, PERSISTENT, TMA_STORE)),
-            (_fwd_load, (descs, smem, bars, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, PERSISTENT)),
+            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N,
+                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, PERSISTENT, DYNAMIC)),
+            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N,
+                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, PERSISTENT, DYNAMIC)),
+            (_fwd_load, (descs, smem, bars, info, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, PERSISTENT,
+                         DYNAMIC)),
         ), [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.static_assert(CONSUMERS == 3)
         gl.warp_specialize((
-            (_fwd_consume, (smem, bars, Out, o_desc, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D,
-                            CAUSAL, INTERVALS, ACCUM, PERSISTENT, TMA_STORE)),
-            (_fwd_consume, (smem, bars, Out, o_desc, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D,
-                            CAUSAL, INTERVALS, ACCUM, PERSISTENT, TMA_STORE)),
-            (_fwd_consume, (smem, bars, Out, o_desc, Lse, strides, walk, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D,
-                            CAUSAL, INTERVALS, ACCUM, PERSISTENT, TMA_STORE)),
-            (_fwd_load, (descs, smem, bars, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, PERSISTENT)),
+            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N,
+                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, PERSISTENT, DYNAMIC)),
+            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N,
+                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, PERSISTENT, DYNAMIC)),
+            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 2, BLOCK_M, BLOCK_N,
+                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, PERSISTENT, DYNAMIC)),
+            (_fwd_load, (descs, smem, bars, info, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, PERSISTENT,
+                         DYNAMIC)),
         ), [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -352,21 +455,24 @@ STAGES = 2  # 3 stages measured the same as 2 (within 1%) with more shared memor
 class HopperConfig:
     block_m: int  # 128 (two consumer warpgroups) or 192 (three)
     persistent: bool  # one program per SM walking the work tiles, or one program per work tile
+    # (persistent programs over causal or interval-masked tiles take them from a counter as they go)
 
 
 # (head_dim, causal) -> config, the fastest of the candidates timed on H200 (benchmarks/NOTES.md):
 # three consumers need head dim 64's smaller registers; causal blocks run one program per tile (a static
-# persistent walk leaves uneven sums of work: 515 against 554 TFLOP/s at hd 128, S 8K; one handing tiles
-# out through an atomic counter measured no faster than the hardware's own order)
+# persistent walk leaves uneven sums of work: 515 against 554 TFLOP/s at hd 128, S 8K; programs taking
+# tiles from a counter lost 1.5-4%: fwd_ab_persistent_causal-NVIDIA_H200.json)
 CONFIGS = {
     (64, False): HopperConfig(192, True),
     (64, True): HopperConfig(192, False),
     (128, False): HopperConfig(128, True),
     (128, True): HopperConfig(128, False),
 }
-# interval masks (windows, packed documents): one program per work tile, the hardware balancing the uneven
-# ones (documents); 128 rows (192 at d 64 spills ~220 B with the bounds in registers: ptxas)
-INTERVAL_CONFIGS = {64: HopperConfig(128, False), 128: HopperConfig(128, False)}
+# interval masks (windows, packed documents): persistent programs taking the tiles from a counter, each
+# tile's walk (its row bounds' loads) and loads hidden behind the tile before: 1.01-1.09x one program
+# per tile (fwd_ab_persistent-NVIDIA_H200.json); 128 rows (192 at d 64 spills ~220 B with the bounds in
+# registers: ptxas)
+INTERVAL_CONFIGS = {64: HopperConfig(128, True), 128: HopperConfig(128, True)}
 
 
 def _gluon_supported() -> bool:
@@ -431,13 +537,16 @@ def hopper_forward(
     # the loader; 3 consumers: 16 warps x 128, 160 per worker consumer
     maxnreg, regs = (168, 240) if consumers == 2 else (128, 160)
     total = triton.cdiv(sq, block_m) * b * h
+    # persistent programs over uneven tiles take them as they go; even ones round-robin
+    dynamic = persistent and (causal or intervals)
     grid = (min(total, sm_count(q.device.index)) if persistent else total,)
     _attn_fwd_hopper_kernel[grid](
         *descs, out, lse,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         b, h, h // hkv, sq, sk, offset, softmax_scale * 1.4426950408889634, key_lo, key_hi,
+        torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse,
         HEAD_D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, CAUSAL=causal, INTERVALS=intervals, ACCUM=accum,
-        PERSISTENT=persistent, TMA_STORE=tma_store, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg,
+        PERSISTENT=persistent, DYNAMIC=dynamic, TMA_STORE=tma_store, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg,
     )
 
 
