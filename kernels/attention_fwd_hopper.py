@@ -325,7 +325,8 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     if TMA_STORE:
         # one bulk copy instead of 32 scattered 4-byte stores per thread: the epilogue took ~1.7 us per
         # program that way, a tile's time (H100 timeline, benchmarks/NOTES.md); TMA clips rows past the end
-        # (staged in this warpgroup's Q rows, free since its last S; the loader refills them once read)
+        # (staged in this warpgroup's Q rows, free since its last S; the loader refills them once read.
+        # Waiting for the copy during the next tile's first S instead measured the same: NOTES.md)
         q_rows.store(out.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [off_b * SQ + r0, off_h * HEAD_D], q_rows)
