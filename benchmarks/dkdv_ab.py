@@ -11,27 +11,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from block_attention import _bench, save_result  # noqa: E402
-from fwd_ab import load_module  # noqa: E402
-from masked_probe import cases  # noqa: E402
+from fwd_ab import ab_row, all_cases, load_module, save  # noqa: E402
 
 
-def all_cases(s: int) -> list[tuple[str, int, int, int, int, dict, int]]:
-    """(name, batch, seqlen, heads, head dim, mask kwargs, visible pairs per head)."""
-    out = [(name, b, sb, 32, 128, {k_: v_ for k_, v_ in mask.items() if k_ in ("causal", "query_lo", "query_hi")},
-            pairs) for name, b, sb, mask, pairs in cases(s)]
-    for b, h, sd, d in ((2, 16, 8192, 128), (2, 16, 8192, 64)):
-        for causal in (False, True):
-            pairs = b * (sd * (sd + 1) // 2 if causal else sd * sd)
-            out.append((f"dense b{b} h{h} s{sd} d{d} {'causal' if causal else 'full'}", b, sd, h, d,
-                        dict(causal=causal), pairs))
-    return out
+DENSE = ((2, 16, 8192, 128), (2, 16, 8192, 64))  # (batch, heads, seqlen, head dim)
 
 
 def main() -> None:
@@ -40,15 +28,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--seqlen", type=int, default=32768)
     args = ap.parse_args()
-    import triton
-
     from ringlse.kernels import attention_bwd as B
     from ringlse.kernels import attention_bwd_hopper as after
     from ringlse.kernels import attention_fwd as F
 
     before = load_module(args.before, "attention_bwd_hopper_before")
     rows = []
-    for name, b, s, h, d, mask, pairs in all_cases(args.seqlen):
+    for name, b, s, h, d, mask, pairs in all_cases(args.seqlen, ("causal", "query_lo", "query_hi"), DENSE):
         q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         fwd_mask = {}
         if "query_lo" in mask:
@@ -72,25 +58,10 @@ def main() -> None:
             fn(0)
             accs[side] = (dk.clone(), dv.clone())
             fns[side] = fn
-        diff = max((x - y).abs().max().item() for x, y in zip(accs["before"], accs["after"]))
-        ms = {side: [] for side in fns}
-        for _ in range(2):
-            for side in fns:
-                ms[side].append(_bench(fns[side], 1))
-        fl = 2 * 4.0 * h * d * pairs  # dk/dv: 4 of the backward's 5 GEMMs
-        row = {"input": name, "batch": b, "seqlen": s, "heads": h, "head_dim": d, "visible_pairs": pairs,
-               "max_abs_diff": diff, "before_ms": min(ms["before"]), "after_ms": min(ms["after"]),
-               "before_ms_runs": ms["before"], "after_ms_runs": ms["after"]}
-        row["before_tflops"] = fl / row["before_ms"] / 1e9
-        row["after_tflops"] = fl / row["after_ms"] / 1e9
-        row["speedup"] = row["before_ms"] / row["after_ms"]
-        rows.append(row)
-        print(f"{name:<34} diff {diff:.3g}  before {row['before_tflops']:6.1f}  after {row['after_tflops']:6.1f}"
-              f"  x{row['speedup']:.3f}", flush=True)
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(), "command": " ".join(sys.argv), "rows": rows}
-    if args.out:
-        print(save_result(args.out, "dkdv_ab", result))
+        # dk/dv: 4 of the backward's 5 GEMMs
+        rows.append(ab_row(dict(input=name, batch=b, seqlen=s, heads=h, head_dim=d, visible_pairs=pairs), fns, accs,
+                           2 * 4.0 * h * d * pairs))
+    save(args.out, "dkdv_ab", rows)
 
 
 if __name__ == "__main__":

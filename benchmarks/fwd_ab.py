@@ -30,11 +30,15 @@ def load_module(path: str, name: str):
     return mod
 
 
-def all_cases(s: int) -> list[tuple[str, int, int, int, int, dict, int]]:
-    """(name, batch, seqlen, heads, head dim, mask kwargs, visible pairs per head)."""
-    out = [(name, b, sb, 32, 128, {k_: v_ for k_, v_ in mask.items() if k_ in ("causal", "key_lo", "key_hi")}, pairs)
+DENSE = ((2, 16, 8192, 128), (2, 16, 8192, 64), (1, 32, 16384, 64))  # (batch, heads, seqlen, head dim)
+
+
+def all_cases(s: int, mask_keys=("causal", "key_lo", "key_hi"), dense=DENSE
+              ) -> list[tuple[str, int, int, int, int, dict, int]]:
+    """(name, batch, seqlen, heads, head dim, mask kwargs among `mask_keys`, visible pairs per head)."""
+    out = [(name, b, sb, 32, 128, {k_: v_ for k_, v_ in mask.items() if k_ in mask_keys}, pairs)
            for name, b, sb, mask, pairs in cases(s)]
-    for b, h, sd, d in ((2, 16, 8192, 128), (2, 16, 8192, 64), (1, 32, 16384, 64)):
+    for b, h, sd, d in dense:
         for causal in (False, True):
             pairs = b * (sd * (sd + 1) // 2 if causal else sd * sd)
             out.append((f"dense b{b} h{h} s{sd} d{d} {'causal' if causal else 'full'}", b, sd, h, d,
@@ -50,8 +54,6 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="also the installed kernel with these configs, e.g. "
                     "'128:0,192:1' (block_m:persistent; 192 only at head dim 64)")
     args = ap.parse_args()
-    import triton
-
     from ringlse.kernels import attention_fwd_hopper as after
 
     before = load_module(args.before, "attention_fwd_hopper_before")
@@ -81,35 +83,48 @@ def main() -> None:
             fn(0)
             outs[var] = (o, lse)
             fns[var] = fn
-        torch.cuda.synchronize()
-        diff = max((outs["before"][0].float() - outs["after"][0].float()).abs().max().item(),
-                   (outs["before"][1] - outs["after"][1]).nan_to_num(0.0).abs().max().item())
-        ms = {side: [] for side in fns}
-        for _ in range(2):
-            for side in fns:  # every variant in the same alternation: clocks drift over a run
-                ms[side].append(_bench(fns[side], 1))
-        fl = 4.0 * h * d * pairs
-        row = {"input": name, "batch": b, "seqlen": s, "heads": h, "head_dim": d, "visible_pairs": pairs,
-               "max_abs_diff": diff, "before_ms": min(ms["before"]), "after_ms": min(ms["after"]),
-               "before_ms_runs": ms["before"], "after_ms_runs": ms["after"]}
-        row["before_tflops"] = fl / row["before_ms"] / 1e9
-        row["after_tflops"] = fl / row["after_ms"] / 1e9
-        row["speedup"] = row["before_ms"] / row["after_ms"]
-        for var in [x for x in fns if x not in ("before", "after")]:
-            row[f"variant_{var}_diff"] = max(
-                (outs["before"][0].float() - outs[var][0].float()).abs().max().item(),
-                (outs["before"][1] - outs[var][1]).nan_to_num(0.0).abs().max().item())
-            row[f"variant_{var}_ms"] = min(ms[var])
-            row[f"variant_{var}_speedup"] = row["before_ms"] / row[f"variant_{var}_ms"]
-        rows.append(row)
-        print(f"{name:<34} diff {diff:.3g}  before {row['before_tflops']:6.1f}  after {row['after_tflops']:6.1f}"
-              f"  x{row['speedup']:.3f}" + "".join(f"  {k_[8:-8]} x{v_:.3f}" for k_, v_ in row.items()
-                                                    if k_.startswith("variant_") and k_.endswith("_speedup")),
-              flush=True)
+        rows.append(ab_row(dict(input=name, batch=b, seqlen=s, heads=h, head_dim=d, visible_pairs=pairs), fns, outs,
+                           4.0 * h * d * pairs))
+    save(args.out, "fwd_ab", rows)
+
+
+def max_diff(x: tuple[torch.Tensor, ...], y: tuple[torch.Tensor, ...]) -> float:
+    """Largest absolute difference between two sides' outputs (`-inf` lse rows count as equal)."""
+    return max((a.float() - b.float()).nan_to_num(0.0).abs().max().item() for a, b in zip(x, y))
+
+
+def ab_row(row: dict, fns: dict, outs: dict, flop: float) -> dict:
+    """Time `fns` ("before", "after", then any variants) in alternation, twice over (clocks drift over a
+    run: the better of each one's two medians), and add their times, TFLOP/s (`flop` per call), speedups
+    over "before" and output differences to `row`; prints it."""
+    torch.cuda.synchronize()
+    ms = {side: [] for side in fns}
+    for _ in range(2):
+        for side in fns:
+            ms[side].append(_bench(fns[side], 1))
+    row.update(max_abs_diff=max_diff(outs["before"], outs["after"]), before_ms=min(ms["before"]),
+               after_ms=min(ms["after"]), before_ms_runs=ms["before"], after_ms_runs=ms["after"])
+    row["before_tflops"] = flop / row["before_ms"] / 1e9
+    row["after_tflops"] = flop / row["after_ms"] / 1e9
+    row["speedup"] = row["before_ms"] / row["after_ms"]
+    for var in [x for x in fns if x not in ("before", "after")]:
+        row[f"variant_{var}_diff"] = max_diff(outs["before"], outs[var])
+        row[f"variant_{var}_ms"] = min(ms[var])
+        row[f"variant_{var}_speedup"] = row["before_ms"] / row[f"variant_{var}_ms"]
+    print(f"{row['input']:<34} diff {row['max_abs_diff']:.3g}  before {row['before_tflops']:6.1f}  after "
+          f"{row['after_tflops']:6.1f}  x{row['speedup']:.3f}" + "".join(
+              f"  {k_[8:-8]} x{v_:.3f}" for k_, v_ in row.items()
+              if k_.startswith("variant_") and k_.endswith("_speedup")), flush=True)
+    return row
+
+
+def save(out_dir: str | None, stem: str, rows: list[dict]) -> None:
+    import triton
+
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "python": platform.python_version(), "command": " ".join(sys.argv), "rows": rows}
-    if args.out:
-        print(save_result(args.out, "fwd_ab", result))
+    if out_dir:
+        print(save_result(out_dir, stem, result))
 
 
 if __name__ == "__main__":
