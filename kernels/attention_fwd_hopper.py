@@ -380,8 +380,8 @@ def _attn_fwd_hopper_kernel(
     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr,
     DYNAMIC: gl.constexpr, TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
-    """Persistent: `min(#SMs, work tiles)` programs take the `cdiv(SQ, BLOCK_M) * B * H` work tiles from
-    `Counter` (int32, 0 at launch); else one program per work tile.
+    """Persistent: `min(#SMs, work tiles)` programs walk the `cdiv(SQ, BLOCK_M) * B * H` work tiles
+    round-robin, or (DYNAMIC) take them from `Counter` (int32, 0 at launch); else one program per work tile.
     Descriptors over `[B * S, heads * HEAD_D]` views (Q's box 64 rows). `BLOCK_M / 64` consumer
     warpgroups (the default partition and one or two workers, 4 warps each, which never wait for each
     other) and a loader warp; `num_warps` must be 4."""
