@@ -57,12 +57,14 @@ def _edits(src: str) -> str:
     # first consumer: bounds known, first S back, loop done, epilogue stored
     sub("    m_i = gl.full([ROWS], float(\"-inf\"), gl.float32, row_layout)\n",
         "    m_i = gl.full([ROWS], float(\"-inf\"), gl.float32, row_layout)\n"
-        f"    if WG == 0:\n        gl.store(Tl + t * {SLOTS} + 2, {CLOCK})\n        gl.store(Tl + t * {SLOTS} + 7, n_tiles.to(gl.int64))\n"
+        f"    if WG == 0:\n        gl.store(Tl + t * {SLOTS} + 2, {CLOCK})\n"
+        f"        gl.store(Tl + t * {SLOTS} + 7, n_tiles.to(gl.int64))\n"
         f"        gl.store(Tl + t * {SLOTS} + 6, gl.program_id(0).to(gl.int64))\n")
-    sub("        mbarrier.arrive(k_empty.index(s), count=1)\n        p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, n_lo,",
+    first_s = ("        mbarrier.arrive(k_empty.index(s), count=1)\n"
+               "        p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, n_lo,")
+    sub(first_s,
         f"        if WG == 0:\n            gl.store(Tl + t * {SLOTS} + 3, {CLOCK})\n"
-        f"        if WG == 1:\n            gl.store(Tl + t * {SLOTS} + 11, {CLOCK})\n"
-        "        mbarrier.arrive(k_empty.index(s), count=1)\n        p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, n_lo,")
+        f"        if WG == 1:\n            gl.store(Tl + t * {SLOTS} + 11, {CLOCK})\n" + first_s)
     sub("    if INTERVALS:\n        # rows that see no key of this block",
         f"    if WG == 0:\n        gl.store(Tl + t * {SLOTS} + 4, {CLOCK})\n"
         "    if INTERVALS:\n        # rows that see no key of this block")
@@ -205,7 +207,7 @@ def main() -> None:
     T = instrumented_module()
     h, d = 32, 128
     scale = d**-0.5
-    clock_khz = torch.cuda.get_device_properties(0).clock_rate if hasattr(torch.cuda.get_device_properties(0), "clock_rate") else None
+    clock_khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", None)  # metadata; not every torch has it
     rows = []
     for name, b, s, mask, pairs in cases(args.seqlen):
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
