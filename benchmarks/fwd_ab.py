@@ -3,9 +3,10 @@
 installed one, on masked_attention.py's inputs (b1 h32 d128 bf16, S 32K; the plain causal batches with the
 same pairs) and issue 32's dense blocks (d 64 and 128, causal and not). The two (and any `--variants`
 of the installed kernel) are timed in alternation, twice over (the better of each one's two medians), and
-their outputs compared.
+their outputs compared. With `--accum`, the in-kernel merge into a float32 running state (the ring's
+forward; both sides from the same state), and the installed kernel's plain forward as variant "plain".
 
-Usage (on a GPU): python benchmarks/fwd_ab.py --before FILE [--out DIR] [--seqlen S]
+Usage (on a GPU): python benchmarks/fwd_ab.py --before FILE [--out DIR] [--seqlen S] [--accum]
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=32768)
     ap.add_argument("--variants", default="", help="also the installed kernel with these configs, e.g. "
                     "'128:0,192:1' (block_m:persistent; 192 only at head dim 64)")
+    ap.add_argument("--accum", action="store_true", help="the merging forward (float32 state)")
     args = ap.parse_args()
     from ringlse.kernels import attention_fwd_hopper as after
 
@@ -62,15 +64,22 @@ def main() -> None:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         outs = {}
         fns = {}
+        state = (torch.randn(b, s, h, d, device="cuda"), torch.randn(b, h, s, device="cuda"))
         for side, mod in (("before", before), ("after", after)):
-            o = torch.empty_like(q)
-            lse = torch.empty(b, h, s, dtype=torch.float32, device="cuda")
+            o = state[0].clone() if args.accum else torch.empty_like(q)
+            lse = state[1].clone() if args.accum else torch.empty(b, h, s, dtype=torch.float32, device="cuda")
 
             def fn(_i, mod=mod, o=o, lse=lse):
-                mod.hopper_forward(q, k, v, o, lse, softmax_scale=d**-0.5, offset=0, accum=False, **mask)
+                mod.hopper_forward(q, k, v, o, lse, softmax_scale=d**-0.5, offset=0, accum=args.accum, **mask)
             fn(0)
-            outs[side] = (o, lse)
+            outs[side] = (o.clone(), lse.clone())  # (the merging calls go on changing o and lse)
             fns[side] = fn
+        if args.accum:
+            o, lse = torch.empty_like(q), torch.empty(b, h, s, dtype=torch.float32, device="cuda")
+            fns["plain"] = lambda _i: after.hopper_forward(q, k, v, o, lse, softmax_scale=d**-0.5, offset=0,
+                                                           accum=False, **mask)
+            fns["plain"](0)
+            outs["plain"] = (o, lse)
         for var in filter(None, args.variants.split(",")):
             bm, pers = (int(x) for x in var.split(":"))
             if bm == 192 and (d != 64 or "key_lo" in mask):
@@ -85,7 +94,7 @@ def main() -> None:
             fns[var] = fn
         rows.append(ab_row(dict(input=name, batch=b, seqlen=s, heads=h, head_dim=d, visible_pairs=pairs), fns, outs,
                            4.0 * h * d * pairs))
-    save(args.out, "fwd_ab", rows)
+    save(args.out, "fwd_ab_accum" if args.accum else "fwd_ab", rows)
 
 
 def max_diff(x: tuple[torch.Tensor, ...], y: tuple[torch.Tensor, ...]) -> float:
