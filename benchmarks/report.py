@@ -104,7 +104,9 @@ def ring(d: dict) -> list[str]:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in sorted(d["records"], key=lambda r: (r["mode"], r["seqlen"], r["kv_heads"], not r["causal"], r["impl"])):
         ms = _fmt(r.get("ms")) if r.get("ms") is not None else "failed: " + r.get("error", "?")[:60]
-        lines.append(f"| {r['impl']}{' (' + r['rotate'] + ')' if r.get('rotate') else ''} | {r['seqlen']} | "
+        mask = f" [{r['mask']}, {r['layout']} layout, imbalance {r['imbalance']:.2f}; TFLOP/s over visible pairs]" \
+            if r.get("mask") else ""
+        lines.append(f"| {r['impl']}{' (' + r['rotate'] + ')' if r.get('rotate') else ''}{mask} | {r['seqlen']} | "
                      f"{r['kv_heads']} | {r['causal']} | {r['mode']} | {ms} | {_fmt(r.get('efficiency'))} | "
                      f"{_fmt(r.get('tflops_per_gpu'), '.0f')} | {_fmt(r.get('time_ratio_to_torch_cp'))} |")
     return lines
@@ -215,7 +217,7 @@ def _src(path: Path) -> str:
 def headline_ring(path: Path, d: dict) -> list[list[str]]:
     env = d["environment"]
     recs = [r for r in d["records"] if r.get("ms") is not None and r["mode"] == "fwd+bwd" and r["causal"]
-            and r["kv_heads"] == r.get("heads", 32)]
+            and r["kv_heads"] == r.get("heads", 32) and "mask" not in r]
     cp = {r["seqlen"]: r for r in recs if r["impl"].startswith("torch-cp")}
     rows = []
     for impl in sorted({r["impl"] for r in recs if r["impl"].startswith("ringlse")}, key=lambda s: s != "ringlse-sdpa"):

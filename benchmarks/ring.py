@@ -45,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     p.add_argument("--causal", nargs="+", default=["yes", "no"], choices=["yes", "no"])
     p.add_argument("--no-peer", action="store_true", help="skip PyTorch context parallel")
+    p.add_argument("--masks", action="store_true", help="also windows of 4K and packed documents (log-uniform "
+                   "256-32K) at the largest S, causal fwd+bwd, MHA (no peer: context parallel takes neither)")
     p.add_argument("--budget-s", type=float, default=1.5, help="target seconds of timed runs per measurement")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     return p.parse_args()
@@ -103,16 +105,21 @@ def rand(*shape, device):
     return torch.randn(*shape, device=device, dtype=torch.bfloat16)
 
 
-def bench_ringlse(backend, b, h, hkv, s, d, causal, mode, world, device, budget):
+def bench_ringlse(backend, b, h, hkv, s, d, causal, mode, world, device, budget, mask=None):
+    """(ring ms, one GPU ms) of `backend`; `mask`: `window_size` / `cu_seqlens` (global) for both."""
+    mask = mask or {}
     n = s // world
     q, dout = rand(b, n, h, d, device=device), rand(b, n, h, d, device=device)
     k, v = rand(b, n, hkv, d, device=device), rand(b, n, hkv, d, device=device)
-    ring = make_step(lambda q_, k_, v_: ringlse.ring_attention(q_, k_, v_, causal=causal, backend=backend), q, k, v, dout, mode)
+    ring = make_step(lambda q_, k_, v_: ringlse.ring_attention(q_, k_, v_, causal=causal, backend=backend, **mask),
+                     q, k, v, dout, mode)
     ring_ms = timed_ms(ring, budget)
     del q, k, v, dout
     qf, doutf = rand(b, s, h, d, device=device), rand(b, s, h, d, device=device)
     kf, vf = rand(b, s, hkv, d, device=device), rand(b, s, hkv, d, device=device)
-    single = make_step(lambda q_, k_, v_: ringlse.attention(q_, k_, v_, causal=causal, backend=backend), qf, kf, vf, doutf, mode)
+    full_mask = {k_: v_ for k_, v_ in mask.items() if k_ != "layout"}
+    single = make_step(lambda q_, k_, v_: ringlse.attention(q_, k_, v_, causal=causal, backend=backend, **full_mask),
+                       qf, kf, vf, doutf, mode)
     single_ms = timed_ms(single, budget)
     return ring_ms, single_ms
 
@@ -139,6 +146,26 @@ def bench_context_parallel(mesh, rotate, b, h, hkv, s, d, causal, mode, device, 
     bufs = [q, k, v, dout]
     with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs)):
         return timed_ms(make_step(sdpa_bhsd(causal, hkv != h), q, k, v, dout, mode), budget)
+
+
+def mask_inputs(s: int, world: int) -> dict[str, dict]:
+    """Windows of 4K (the default layout, zigzag) and packed documents (log-uniform lengths in [256, 32K],
+    seed 0; the `stripe` layout the README advises for them, zigzag's imbalance being 1.2-1.7 at W = 4:
+    mask_balance.json) over S: the ring's keyword arguments, the visible pairs and the causal work
+    imbalance (max/mean over ranks) of the layout."""
+    from mask_balance import imbalance, log_uniform_documents
+
+    from ringlse.masks import Rule
+
+    docs = log_uniform_documents(s, 256, 32768, 0)
+    out = {}
+    for name, kwargs, rule in (("window 4K", dict(window_size=(4096, 0), layout="zigzag"), Rule(True, window=(4096, 0))),
+                               (f"{len(docs) - 1} documents, log-uniform 256-32K",
+                                dict(cu_seqlens=docs, layout="stripe"), Rule(True, docs=tuple(docs)))):
+        lo, hi = rule.key_bounds(torch.arange(s))
+        out[name] = dict(kwargs=kwargs, visible_pairs=int((hi.clamp(max=s) - lo.clamp(min=0)).clamp(min=0).sum()),
+                         layout=kwargs["layout"], imbalance=imbalance(rule, kwargs["layout"], world, s))
+    return out
 
 
 def environment(world: int) -> dict:
@@ -168,7 +195,7 @@ def plot(records: list[dict], path: Path, world: int, gpu: str) -> None:
     fig, (ax_e, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
     series: dict[str, list] = {}
     for r in records:
-        if r["mode"] != "fwd+bwd" or r["kv_heads"] != r["heads"] or r.get("ms") is None:
+        if r["mode"] != "fwd+bwd" or r["kv_heads"] != r["heads"] or r.get("ms") is None or "mask" in r:
             continue
         key = f"{r['impl']} {'causal' if r['causal'] else 'full'}"
         series.setdefault(key, []).append(r)
@@ -206,10 +233,13 @@ def main() -> int:
                 shapes.append((s, h, causal, mode))
                 if args.gqa_kv_heads and mode == "fwd+bwd" and s == min(args.seqlens):
                     shapes.append((s, args.gqa_kv_heads, causal, mode))
+    masks = mask_inputs(max(args.seqlens), world) if args.masks else {}
     records: list[dict] = []
 
     def record(impl, s, hkv, causal, mode, ms, single_ms, **extra):
         flops = attention_flops(b, h, s, d, causal, mode)
+        if "visible_pairs" in extra:  # masks: FLOPs over the visible pairs
+            flops = 4.0 * b * h * d * extra["visible_pairs"] * (3.5 if mode == "fwd+bwd" else 1.0)
         rec = dict(impl=impl, seqlen=s, heads=h, kv_heads=hkv, head_dim=d, batch=b, causal=causal, mode=mode,
                    ms=ms, single_gpu_ms=single_ms,
                    efficiency=None if ms is None or single_ms is None else single_ms / (world * ms),
@@ -220,6 +250,7 @@ def main() -> int:
     # ringlse first, then the peer's single-GPU SDPA, and context parallel last: an exception inside a
     # context_parallel block can leave its SDPA dispatcher active (CONVENTIONS.md §8).
     todo = [("ringlse", be, shp) for shp in shapes for be in backends]
+    todo += [("ringlse-mask", be, (max(args.seqlens), h, True, "fwd+bwd", name)) for name in masks for be in backends]
     if not args.no_peer:
         todo += [("sdpa-single", None, shp) for shp in shapes] + [("cp", None, shp) for shp in shapes]
     env = environment(world) if rank == 0 else {}
@@ -230,7 +261,7 @@ def main() -> int:
         peer = {(r["seqlen"], r["kv_heads"], r["causal"], r["mode"]): r for r in records if r["impl"] == "torch-cp"}
         for r in records:  # wall-clock ratio to the peer at the same shape (< 1 is faster)
             p = peer.get((r["seqlen"], r["kv_heads"], r["causal"], r["mode"]))
-            if r["impl"].startswith("ringlse") and p and p.get("ms") and r.get("ms"):
+            if r["impl"].startswith("ringlse") and "mask" not in r and p and p.get("ms") and r.get("ms"):
                 r["time_ratio_to_torch_cp"] = r["ms"] / p["ms"]
         gpu_tag = env["gpu"].replace("NVIDIA ", "").replace(" ", "-")
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -253,8 +284,8 @@ def main() -> int:
     bar = tqdm(todo, desc="ring bench", disable=rank != 0 or tqdm is None, file=sys.stdout)
     single_sdpa: dict = {}
     mesh = None
-    for kind, be, (s, hkv, causal, mode) in bar:
-        label = f"{kind}{':' + be if be else ''} S={s} hkv={hkv} causal={causal} {mode}"
+    for kind, be, (s, hkv, causal, mode, *mask_name) in bar:
+        label = f"{kind}{':' + be if be else ''} S={s} hkv={hkv} causal={causal} {mode} {' '.join(mask_name)}"
         if tqdm is None and rank == 0:
             print(label, flush=True)
         else:
@@ -263,6 +294,12 @@ def main() -> int:
             if kind == "ringlse":
                 ring_ms, single_ms = bench_ringlse(be, b, h, hkv, s, d, causal, mode, world, device, args.budget_s)
                 rec = record(f"ringlse-{be}", s, hkv, causal, mode, ring_ms, single_ms)
+            elif kind == "ringlse-mask":
+                m = masks[mask_name[0]]
+                ring_ms, single_ms = bench_ringlse(be, b, h, hkv, s, d, causal, mode, world, device, args.budget_s,
+                                                   mask=m["kwargs"])
+                rec = record(f"ringlse-{be}", s, hkv, causal, mode, ring_ms, single_ms, mask=mask_name[0],
+                             **{k_: v_ for k_, v_ in m.items() if k_ != "kwargs"})
             elif kind == "sdpa-single":
                 single_sdpa[(s, hkv, causal, mode)] = bench_sdpa_single(b, h, hkv, s, d, causal, mode, device, args.budget_s)
                 continue
@@ -283,13 +320,14 @@ def main() -> int:
                 rec = record("torch-cp", s, hkv, causal, mode, ok.get(best), single_sdpa.get((s, hkv, causal, mode)),
                              rotate=best, per_rotate=per_rotate)
         except Exception as e:
-            rec = record(f"ringlse-{be}" if kind == "ringlse" else "torch-cp", s, hkv, causal, mode, None, None,
-                         error=f"{type(e).__name__}: {e}"[:300])
+            rec = record(f"ringlse-{be}" if kind.startswith("ringlse") else "torch-cp", s, hkv, causal, mode, None,
+                         None, error=f"{type(e).__name__}: {e}"[:300], **({"mask": mask_name[0]} if mask_name else {}))
             torch.cuda.empty_cache()
         if rank == 0:
             eff = f"{rec['efficiency']:.2f}" if rec.get("efficiency") else "-"
             ms = f"{rec['ms']:.2f} ms" if rec.get("ms") else rec.get("error", "failed")
-            (bar.write if tqdm is not None else print)(f"{rec['impl']:<15} S={s:<7} hkv={hkv:<3} causal={causal!s:<5} {mode:<8} {ms}  eff {eff}")
+            (bar.write if tqdm is not None else print)(f"{rec['impl']:<15} S={s:<7} hkv={hkv:<3} causal={causal!s:<5} "
+                                                       f"{mode:<8} {' '.join(mask_name)} {ms}  eff {eff}")
             save()
         torch.cuda.empty_cache()
 
