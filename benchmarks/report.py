@@ -220,7 +220,7 @@ def headline_ring(path: Path, d: dict) -> list[list[str]]:
             and r["kv_heads"] == r.get("heads", 32) and "mask" not in r]
     cp = {r["seqlen"]: r for r in recs if r["impl"].startswith("torch-cp")}
     rows = []
-    for impl in sorted({r["impl"] for r in recs if r["impl"].startswith("ringlse")}, key=lambda s: s != "ringlse-sdpa"):
+    for impl in sorted({r["impl"] for r in recs if r["impl"].startswith("ringlse")}, key=lambda s: (s != "ringlse-sdpa", s)):
         parts = []
         for r in sorted((r for r in recs if r["impl"] == impl), key=lambda r: r["seqlen"]):
             c = cp.get(r["seqlen"])
