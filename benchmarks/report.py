@@ -104,8 +104,8 @@ def ring(d: dict) -> list[str]:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in sorted(d["records"], key=lambda r: (r["mode"], r["seqlen"], r["kv_heads"], not r["causal"], r["impl"])):
         ms = _fmt(r.get("ms")) if r.get("ms") is not None else "failed: " + r.get("error", "?")[:60]
-        mask = f" [{r['mask']}, {r['layout']} layout, imbalance {r['imbalance']:.2f}; TFLOP/s over visible pairs]" \
-            if r.get("mask") else ""
+        mask = "" if not r.get("mask") else f" [{r['mask']}]" if "layout" not in r else \
+            f" [{r['mask']}, {r['layout']} layout, imbalance {r['imbalance']:.2f}; TFLOP/s over visible pairs]"
         lines.append(f"| {r['impl']}{' (' + r['rotate'] + ')' if r.get('rotate') else ''}{mask} | {r['seqlen']} | "
                      f"{r['kv_heads']} | {r['causal']} | {r['mode']} | {ms} | {_fmt(r.get('efficiency'))} | "
                      f"{_fmt(r.get('tflops_per_gpu'), '.0f')} | {_fmt(r.get('time_ratio_to_torch_cp'))} |")
