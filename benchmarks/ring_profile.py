@@ -1,10 +1,11 @@
 """Where the time of one ring attention call goes, per rank (torch.profiler), under torchrun:
 
     torchrun --nproc_per_node=4 benchmarks/ring_profile.py --backend sdpa --seqlen 32768 [--trace-dir DIR]
-        [--without forward_parts backward_parts]
+        [--without forward_parts backward_parts] [--window L | --docs] [--layout LAYOUT]
 
 Runs a few warm-up calls, then profiles `--iters` calls of causal forward+backward (batch 1 x 32 heads x
-head dim 128, bf16, zigzag) and prints, for every rank: wall milliseconds per call, and GPU kernel time
+head dim 128, bf16, zigzag unless `--layout`; a window of L keys or packed documents, log-uniform
+lengths in [256, 32K] with seed 0, with `--window` / `--docs`) and prints, for every rank: wall milliseconds per call, and GPU kernel time
 per call grouped into attention / NCCL / merge+elementwise / other, plus the time the compute stream
 sat idle. Every rank writes a Chrome trace to `--trace-dir` when given.
 """
@@ -110,6 +111,9 @@ def main() -> None:
     p.add_argument("--causal", default="yes", choices=["yes", "no"])
     p.add_argument("--mode", default="fwd+bwd", choices=["fwd", "fwd+bwd"])
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--layout", default=None, help="default: the ring's (zigzag when causal)")
+    p.add_argument("--window", type=int, default=None, help="a window of this many keys to the left")
+    p.add_argument("--docs", action="store_true", help="packed documents, log-uniform lengths in [256, 32K]")
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--without", nargs="*", default=[], choices=["forward_parts", "backward_parts"],
                    help="turn these block-op capabilities off (to measure what each one gains)")
@@ -132,8 +136,16 @@ def main() -> None:
     leaves = [t.requires_grad_() for t in (q, k, v)]
     op = dataclasses.replace(ringlse.get_block_op(args.backend, q.device), **{c: None for c in args.without})
 
+    mask = {}
+    if args.window is not None:
+        mask["window_size"] = (args.window, 0)
+    if args.docs:
+        from mask_balance import log_uniform_documents
+
+        mask["cu_seqlens"] = log_uniform_documents(args.seqlen, 256, 32768, 0)
+
     def call():
-        out = ringlse.ring_attention(*leaves, causal=causal, backend=op)
+        out = ringlse.ring_attention(*leaves, causal=causal, backend=op, layout=args.layout, **mask)
         if args.mode == "fwd+bwd":
             out.backward(dout)
 
@@ -183,7 +195,7 @@ def main() -> None:
     dist.all_gather_object(gathered, "\n".join(lines))
     if rank == 0:
         print(f"backend={args.backend} S={args.seqlen} W={world} causal={causal} {args.mode} kv_heads={args.kv_heads}"
-              f" without={args.without}")
+              f" without={args.without} layout={args.layout} window={args.window} docs={args.docs}")
         print("\n".join(gathered))
         if args.ops:
             print(prof.key_averages(group_by_input_shape=True).table(

@@ -92,11 +92,11 @@ MASKED = [
 
 
 @pytest.mark.parametrize("transport", ["copy", "nccl"])
-def test_ring_gpu_windows_and_documents(transport, tmp_path, monkeypatch):
+@pytest.mark.parametrize("world", _world_sizes(), ids=lambda w: f"W{w}")
+def test_ring_gpu_windows_and_documents(world, transport, tmp_path, monkeypatch):
     """Masked rings over NCCL ranks against the dense-mask float64 oracle, every layout, forward and
     backward: the `torch` op in float64 (exact) and the `triton` op in float32 (CONVENTIONS.md §7),
     K/V pulled by copy engines or sent by NCCL (the owner-to-reader route where the mask allows)."""
-    world = 2
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     monkeypatch.setenv("RINGLSE_KV_TRANSPORT", transport)  # the spawned ranks inherit it
