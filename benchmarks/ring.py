@@ -47,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-peer", action="store_true", help="skip PyTorch context parallel")
     p.add_argument("--masks", action="store_true", help="also windows of 4K and packed documents (log-uniform "
                    "256-32K) at the largest S, causal fwd+bwd, MHA (no peer: context parallel takes neither)")
+    p.add_argument("--only-masks", action="store_true", help="the --masks rows alone")
     p.add_argument("--budget-s", type=float, default=1.5, help="target seconds of timed runs per measurement")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     return p.parse_args()
@@ -150,18 +151,19 @@ def bench_context_parallel(mesh, rotate, b, h, hkv, s, d, causal, mode, device, 
 
 def mask_inputs(s: int, world: int) -> dict[str, dict]:
     """Windows of 4K (the default layout, zigzag) and packed documents (log-uniform lengths in [256, 32K],
-    seed 0; the `stripe` layout the README advises for them, zigzag's imbalance being 1.2-1.7 at W = 4:
-    mask_balance.json) over S: the ring's keyword arguments, the visible pairs and the causal work
-    imbalance (max/mean over ranks) of the layout."""
+    seed 0) in the `zigzag` and `stripe` layouts (zigzag's work imbalance is 1.2-1.7 at W = 4 there,
+    stripe's 1.00: mask_balance.json) over S: the ring's keyword arguments, the visible pairs and the
+    causal work imbalance (max/mean over ranks) of the layout."""
     from mask_balance import imbalance, log_uniform_documents
 
     from ringlse.masks import Rule
 
     docs = log_uniform_documents(s, 256, 32768, 0)
+    doc_rule = Rule(True, docs=tuple(docs))
     out = {}
     for name, kwargs, rule in (("window 4K", dict(window_size=(4096, 0), layout="zigzag"), Rule(True, window=(4096, 0))),
-                               (f"{len(docs) - 1} documents, log-uniform 256-32K",
-                                dict(cu_seqlens=docs, layout="stripe"), Rule(True, docs=tuple(docs)))):
+                               *((f"{len(docs) - 1} documents, log-uniform 256-32K, {layout}",
+                                  dict(cu_seqlens=docs, layout=layout), doc_rule) for layout in ("zigzag", "stripe"))):
         lo, hi = rule.key_bounds(torch.arange(s))
         out[name] = dict(kwargs=kwargs, visible_pairs=int((hi.clamp(max=s) - lo.clamp(min=0)).clamp(min=0).sum()),
                          layout=kwargs["layout"], imbalance=imbalance(rule, kwargs["layout"], world, s))
@@ -233,7 +235,9 @@ def main() -> int:
                 shapes.append((s, h, causal, mode))
                 if args.gqa_kv_heads and mode == "fwd+bwd" and s == min(args.seqlens):
                     shapes.append((s, args.gqa_kv_heads, causal, mode))
-    masks = mask_inputs(max(args.seqlens), world) if args.masks else {}
+    masks = mask_inputs(max(args.seqlens), world) if args.masks or args.only_masks else {}
+    if args.only_masks:
+        shapes = []
     records: list[dict] = []
 
     def record(impl, s, hkv, causal, mode, ms, single_ms, **extra):

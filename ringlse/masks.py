@@ -257,9 +257,12 @@ def planned_intervals(rule: Rule, q: Span, k: Span) -> Intervals:
     layer of a model, and each of its calls, plans the same blocks under the same rule (32K tokens in 8
     documents: 2 ms per block on a CPU core, every call, before the cache). Larger blocks are computed
     each time (their kernels' time grows with the rows squared, the intervals' linearly; the cache holds
-    at most 64 x 8 bytes x `CACHED_ROWS`). The tensors are shared: readers only."""
+    at most 64 x 8 bytes x `CACHED_ROWS`). The tensors are shared: readers only. Where CUDA is, they are
+    in pinned memory: a kernel's copy of more than 64 KB from pageable memory waits for the GPU to reach
+    it, which took the host of a 4-GPU ring over 128K tokens (stripe layout, documents: 32K-row blocks)
+    42 of its 48 ms per call instead of letting it run ahead (`ring_profile.py`, benchmarks/NOTES.md)."""
     if q.length + k.length > CACHED_ROWS:
-        return block_intervals(rule, q, k, device="cpu")
+        return _pinned(block_intervals(rule, q, k, device="cpu"))
     return _cached_intervals(rule, q, k)
 
 
@@ -268,4 +271,10 @@ CACHED_ROWS = 1 << 17
 
 @functools.lru_cache(maxsize=64)
 def _cached_intervals(rule: Rule, q: Span, k: Span) -> Intervals:
-    return block_intervals(rule, q, k, device="cpu")
+    return _pinned(block_intervals(rule, q, k, device="cpu"))
+
+
+def _pinned(iv: Intervals) -> Intervals:
+    if not torch.cuda.is_available():
+        return iv
+    return Intervals(*(x.pin_memory() for x in iv))

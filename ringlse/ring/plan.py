@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ringlse.blocks.contract import BlockCall
-from ringlse.masks import BlockKind, Intervals, Rule, Span, block_intervals, block_kind
+from ringlse.masks import BlockKind, Intervals, Rule, Span, block_kind, planned_intervals
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 
@@ -105,7 +105,7 @@ def plan_step_masked(layout: str, rank: int, src: int, world: int, n_local: int,
     boundary, and the kernel skips the rest without a launch over them."""
     calls = []
     for qs, ks in _visible_parts(layout, rank, src, world, n_local, rule):
-        iv = block_intervals(rule, _span(qs), _span(ks))
+        iv = planned_intervals(rule, _span(qs), _span(ks))
         calls.append(_call(qs, ks, iv if iv.kind() is BlockKind.PARTIAL else None))
     return calls
 
