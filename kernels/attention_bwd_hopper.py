@@ -70,10 +70,12 @@ def _key_tile(walk, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr, IN
 
 
 @gluon.jit
-def _dkdv_load(descs, smem, bars, walk, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr):
-    """The loader warp: this program's K and V once, then Q and dO tile by tile into the ring."""
-    q_desc, do_desc, k_desc, v_desc = descs
-    q_smem, do_smem, k_smem, v_smem = smem
+def _dkdv_load(descs, smem, bars, walk, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
+               ROW_TMA: gl.constexpr):
+    """The loader warp: this program's K and V once, then Q and dO tile by tile into the ring (with
+    ROW_TMA, each tile's lse and delta rows with them)."""
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = descs
+    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem = smem
     kv_ready, q_ready, q_empty, do_ready, do_empty = bars
     HKV, GROUP, SQ, SK, OFFSET, QueryLo, QueryHi = walk
     STAGES_: gl.constexpr = q_smem.type.shape[0]
@@ -88,30 +90,39 @@ def _dkdv_load(descs, smem, bars, walk, HEAD_D: gl.constexpr, CAUSAL: gl.constex
                                         k_smem.index(c))
         tma.async_copy_global_to_shared(v_desc, [off_b * SK + n0 + c * ROWS, off_hk * HEAD_D], kv_ready,
                                         v_smem.index(c))
+    ROW_BYTES: gl.constexpr = lse_desc.block_type.nbytes if ROW_TMA else 0
     it = 0
     for g in range(GROUP):
         col = (off_hk * GROUP + g) * HEAD_D
+        lse_row = off_b * (HKV * GROUP) + off_hk * GROUP + g  # of the [B * H, SQ] view
         for i in range(n_steps):
             s = it % STAGES_
             # a fresh mbarrier counts as having completed phase 1: the first waits on "empty" return at once
             ph = ((it // STAGES_) & 1) ^ 1
             row = off_b * SQ + m_lo + i * BM
             mbarrier.wait(q_empty.index(s), ph)
-            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + ROW_BYTES)
             tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(s), q_smem.index(s))
+            if ROW_TMA:
+                tma.async_copy_global_to_shared(lse_desc, [lse_row, m_lo + i * BM], q_ready.index(s),
+                                                lse_smem.index(s))
             mbarrier.wait(do_empty.index(s), ph)
-            mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+            mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + ROW_BYTES)
             tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(s), do_smem.index(s))
+            if ROW_TMA:
+                tma.async_copy_global_to_shared(delta_desc, [lse_row, m_lo + i * BM], do_ready.index(s),
+                                                delta_smem.index(s))
             it += 1
 
 
 @gluon.jit
 def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale,
                   WG: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                  REDUCE: gl.constexpr):
+                  REDUCE: gl.constexpr, ROW_TMA: gl.constexpr):
     """A consumer warpgroup: dk/dv of its 64 keys over every query tile, added into DK/DV (pointers, or
-    with REDUCE descriptors over `[B * SK, HKV * HEAD_D]` that TMA adds into)."""
-    q_smem, do_smem, k_smem, v_smem = smem
+    with REDUCE descriptors over `[B * SK, HKV * HEAD_D]` that TMA adds into). Each tile's lse and delta
+    rows come from the loader's slots (ROW_TMA) or are loaded here."""
+    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem = smem
     kv_ready, q_ready, q_empty, do_ready, do_empty = bars
     stride_lb, stride_lh, stride_ls, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh = strides
     HKV, GROUP, SQ, SK, OFFSET, QueryLo, QueryHi = walk
@@ -151,19 +162,26 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
         for i in range(n_steps):
             start_m = m_lo + i * BM
             offs_m = start_m + offs_m0
-            m_ok = offs_m < SQ
-            # rows past SQ and rows that see nothing anywhere (lse -inf): lse -> +inf makes P exactly 0
-            lse = gl.load(lse_base + offs_m * stride_ls, mask=m_ok, other=float("-inf"))
-            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            delta = gl.load(delta_base + offs_m * stride_ls, mask=m_ok, other=0.0)
             s = it % STAGES_
             ph = (it // STAGES_) & 1
             q_buf = q_smem.index(s)
             do_buf = do_smem.index(s)
+            if not ROW_TMA:
+                m_ok = offs_m < SQ
+                lse = gl.load(lse_base + offs_m * stride_ls, mask=m_ok, other=float("-inf"))
+                delta = gl.load(delta_base + offs_m * stride_ls, mask=m_ok, other=0.0)
             mbarrier.wait(q_ready.index(s), ph)
             st = warpgroup_mma(k_rows, q_buf.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            if ROW_TMA:
+                # (rows past SQ come as 0, like their Q and dO rows: P = 1 there, dP = delta = 0, so
+                # they add exactly 0 to dV and dK)
+                lse = lse_smem.index(s).reshape([BM]).load(col_layout)
+            # rows that see nothing anywhere (lse -inf; past SQ, loaded here): lse -> +inf makes P exactly 0
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
             mbarrier.wait(do_ready.index(s), ph)
             dpt = warpgroup_mma(v_rows, do_buf.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            if ROW_TMA:
+                delta = delta_smem.index(s).reshape([BM]).load(col_layout)
             # P^T while dP^T is still on the tensor cores
             st, _, _ = warpgroup_mma_wait(1, deps=[st, k_rows, q_buf])
             pt = gl.exp2(st * qk_scale - lse2[None, :])
@@ -208,22 +226,28 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
 
 @gluon.jit
 def _attn_bwd_dkdv_hopper_kernel(
-    q_desc, do_desc, k_desc, v_desc, Lse, Delta, DK, DV,
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, Lse, Delta, DK, DV,
     stride_lb, stride_lh, stride_ls, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     HKV, GROUP, SQ, SK, OFFSET, qk_scale, dk_scale, QueryLo, QueryHi,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, REDUCE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    ROW_TMA: gl.constexpr,
 ):
     """Grid `(cdiv(SK, BLOCK_N), B * HKV)`; descriptors over `[B * S, heads * HEAD_D]` views (K/V boxes
     of 64 rows, Q/dO boxes of BLOCK_M). Delta shares Lse's strides; DK/DV are float32 accumulators. With
     INTERVALS (then not CAUSAL), key `j` is seen by the queries `[QueryLo[j], QueryHi[j])` (int32 `[SK]`);
-    otherwise QueryLo/QueryHi are None."""
+    otherwise QueryLo/QueryHi are None. With ROW_TMA, `lse_desc`/`delta_desc` index Lse/Delta as
+    `[B * H, SQ]` rows (boxes of `[1, BLOCK_M]`); else they are unused."""
     dtype: gl.constexpr = q_desc.dtype
     CONSUMERS: gl.constexpr = BLOCK_N // 64
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + v_desc.block_type.shape, v_desc.layout)
+    ROW_SLOTS: gl.constexpr = STAGES if ROW_TMA else 1
+    lse_smem = gl.allocate_shared_memory(gl.float32, [ROW_SLOTS] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [ROW_SLOTS] + delta_desc.block_type.shape,
+                                           delta_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -236,18 +260,18 @@ def _attn_bwd_dkdv_hopper_kernel(
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(do_empty.index(i), count=CONSUMERS)
 
-    descs = (q_desc, do_desc, k_desc, v_desc)
-    smem = (q_smem, do_smem, k_smem, v_smem)
+    descs = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc)
+    smem = (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem)
     bars = (kv_ready, q_ready, q_empty, do_ready, do_empty)
     strides = (stride_lb, stride_lh, stride_ls, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh)
     walk = (HKV, GROUP, SQ, SK, OFFSET, QueryLo, QueryHi)
     gl.static_assert(CONSUMERS == 2)
     gl.warp_specialize((
         (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, 0, HEAD_D, CAUSAL,
-                         INTERVALS, REDUCE)),
+                         INTERVALS, REDUCE, ROW_TMA)),
         (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, 1, HEAD_D, CAUSAL,
-                         INTERVALS, REDUCE)),
-        (_dkdv_load, (descs, smem, bars, walk, HEAD_D, CAUSAL, INTERVALS)),
+                         INTERVALS, REDUCE, ROW_TMA)),
+        (_dkdv_load, (descs, smem, bars, walk, HEAD_D, CAUSAL, INTERVALS, ROW_TMA)),
     ), [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -295,6 +319,16 @@ def hopper_dkdv(
         shape, strides = rows_view(t)
         layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
         descs.append(TensorDescriptor(t, shape, strides, [rows, d], layout))
+    # lse and delta rows through TMA with Q and dO, where TMA can index them as [b * h, sq] rows: loaded by
+    # each consumer at each step, their latency sat before P (benchmarks/NOTES.md)
+    row_tma = (lse.is_contiguous() and delta.stride() == lse.stride() and sq % 4 == 0
+               and lse.data_ptr() % 16 == 0 and delta.data_ptr() % 16 == 0)
+    row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    for t in (lse, delta):
+        if row_tma:
+            descs.append(TensorDescriptor(t, [b * h, sq], [sq, 1], [1, bm], row_layout))
+        else:  # unused: any descriptor of the kernel's box
+            descs.append(TensorDescriptor(lse.new_empty(4, bm), [4, bm], [bm, 1], [1, bm], row_layout))
     accs = [dk_acc, dv_acc]
     if reduce:
         layout = gl.NVMMASharedLayout.get_default_for([64, d], gl.float32)
@@ -306,6 +340,6 @@ def hopper_dkdv(
         dk_acc.stride(0), dk_acc.stride(1), dk_acc.stride(2), dv_acc.stride(0), dv_acc.stride(1), dv_acc.stride(2),
         hkv, h // hkv, sq, sk, offset, qk_scale, dk_scale, query_lo, query_hi,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal, INTERVALS=query_lo is not None,
-        REDUCE=reduce, CONSUMER_REGS=240,
+        REDUCE=reduce, CONSUMER_REGS=240, ROW_TMA=row_tma,
         num_warps=4, maxnreg=168,
     )
