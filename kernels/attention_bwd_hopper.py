@@ -8,7 +8,8 @@ bf16/fp16, head dims 64 and 128, dense, causal or interval-masked blocks (window
 
 Structure: one program owns `BLOCK_N = 128` keys of one kv head (K and V loaded once, 64 keys per
 consumer warpgroup) and walks the query tiles of every query head of its GQA group that can see them;
-the loader warp streams Q and dO tiles through a ring of shared-memory slots guarded by mbarriers. Per
+the loader warp streams Q and dO tiles, with their rows' lse and delta, through a ring of shared-memory
+slots guarded by mbarriers. Per
 query tile a consumer computes `S^T = K Q^T` and `dP^T = V dO^T` (both in flight at once), then
 `P^T`, `dS^T` in registers and `dV += P^T dO`, `dK += dS^T Q` with P^T and dS^T straight from registers.
 Interval masks: the walk over the inverse intervals (the queries that see each key) as the Triton kernel's,
@@ -35,7 +36,7 @@ from ringlse.kernels.attention_fwd_hopper import interval_walk, tma_rows_apply
 from ringlse.kernels.host import rows_view, tma_indexable
 
 BLOCK_N = 128  # keys per program (64 per consumer warpgroup)
-# queries per step: 64 (at head dim 128 ptxas spills ~150-390 bytes, dk, dv, S^T, dP^T, P^T and dS^T
+# queries per step: 64 (at head dim 128 ptxas spills 20-104 bytes, dk, dv, S^T, dP^T, P^T and dS^T
 # exceeding a consumer's 240 registers, yet 64-query steps ran 1.16-1.28x faster than 32 without
 # spills, non-causal, and the same causal: H200, benchmarks/NOTES.md)
 BLOCK_M = 64

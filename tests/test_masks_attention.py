@@ -67,6 +67,19 @@ def test_torch_backend_takes_masks_on_the_inputs_device(device):
     _check([t.cpu() for t in ours], ref)
 
 
+@pytest.mark.gpu
+def test_planned_intervals_are_pinned_where_cuda_is():
+    """Plans keep their intervals on the CPU and the kernels copy them to the GPU on every call: from
+    pageable memory a copy of more than 64 KB waits for the GPU to reach it (42 of 48 ms of a 4-GPU ring
+    call's host time, benchmarks/NOTES.md), so they are pinned, cached blocks and larger ones alike."""
+    from ringlse.masks import CACHED_ROWS, Rule, Span, planned_intervals
+
+    rule = Rule(True, docs=(0, 300, CACHED_ROWS))
+    for n in (1000, CACHED_ROWS):  # cached; over the cache's size, computed each time
+        iv = planned_intervals(rule, Span(0, n), Span(0, n))
+        assert all(t.is_pinned() for t in iv), n
+
+
 @pytest.mark.parametrize(("q_start", "k_start"), [(0, 0), (5, 0), (0, 6), (20, 3)], ids=str)
 @pytest.mark.parametrize("window", [(-1, -1), (4, 1)], ids=["nowin", "win"])
 def test_block_attention_at_global_positions(q_start, k_start, window):
