@@ -11,8 +11,9 @@ consumer warpgroup) and walks the query tiles of every query head of its GQA gro
 the loader warp streams Q and dO tiles, with their rows' lse and delta, through a ring of shared-memory
 slots guarded by mbarriers. Per query tile a consumer computes `S^T = K Q^T` and `dP^T = V dO^T` (both
 in flight at once), then `P^T`, `dS^T` in registers and `dV += P^T dO`, `dK += dS^T Q` with P^T and
-dS^T straight from registers. Interval masks: the walk over the inverse intervals (the queries that see each key) as the Triton kernel's,
-query tiles seen whole by every live key unmasked, keys no query sees reset to 0 at the end.
+dS^T straight from registers. Interval masks: the walk over the inverse intervals (the queries that see
+each key) as the Triton kernel's, query tiles seen whole by every live key unmasked, keys no query sees
+reset to 0 at the end.
 """
 
 from __future__ import annotations
