@@ -24,19 +24,24 @@ from ringlse.ring import LAYOUTS
 from ringlse.ring.plan import local_positions
 
 
-def log_uniform_documents(seqlen: int, lo: int, hi: int, seed: int) -> list[int]:
+def log_uniform_documents(seqlen: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
+    """Document boundaries `(0, ..., seqlen)`, lengths drawn log-uniform in `[lo, hi]` (the last cut short)."""
     gen = torch.Generator().manual_seed(seed)
     bounds = [0]
     while bounds[-1] < seqlen:
         u = torch.rand(1, generator=gen).item()
         bounds.append(min(seqlen, bounds[-1] + int(math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo))))))
-    return bounds
+    return tuple(bounds)
+
+
+def visible_per_position(rule: Rule, seqlen: int) -> torch.Tensor:
+    """The number of keys each query position of `[0, seqlen)` sees under `rule` (int64 `[seqlen]`)."""
+    lo, hi = rule.key_bounds(torch.arange(seqlen))
+    return (hi.clamp(max=seqlen) - lo.clamp(min=0)).clamp(min=0)
 
 
 def imbalance(rule: Rule, layout: str, world: int, seqlen: int) -> float:
-    p = torch.arange(seqlen)
-    lo, hi = rule.key_bounds(p)
-    per_position = (hi.clamp(max=seqlen) - lo.clamp(min=0)).clamp(min=0)
+    per_position = visible_per_position(rule, seqlen)
     n = seqlen // world
     work = [int(per_position[local_positions(layout, r, world, n)].sum()) for r in range(world)]
     return max(work) / (sum(work) / world)
@@ -48,7 +53,7 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=131072)
     args = ap.parse_args()
     s = args.seqlen
-    inputs = {f"log-uniform 256-32K, seed {seed}": Rule(True, docs=tuple(log_uniform_documents(s, 256, 32768, seed)))
+    inputs = {f"log-uniform 256-32K, seed {seed}": Rule(True, docs=log_uniform_documents(s, 256, 32768, seed))
               for seed in range(4)}
     inputs["documents of 4K"] = Rule(True, docs=tuple(range(0, s + 1, 4096)))
     inputs["window 4K"] = Rule(True, window=(4096, -1))

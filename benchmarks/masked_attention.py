@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
+import sys
 import time
 
 import torch
@@ -26,14 +26,8 @@ from triton.testing import do_bench
 import ringlse
 from ringlse.masks import Rule, Span, block_intervals
 
-
-def log_uniform_documents(seqlen: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
-    gen = torch.Generator().manual_seed(seed)
-    bounds = [0]
-    while bounds[-1] < seqlen:
-        u = torch.rand(1, generator=gen).item()
-        bounds.append(min(seqlen, bounds[-1] + int(math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo))))))
-    return tuple(bounds)
+sys.path.insert(0, os.path.dirname(__file__))
+from mask_balance import log_uniform_documents, visible_per_position  # noqa: E402
 
 
 def inputs(s: int) -> dict[str, Rule]:
@@ -100,8 +94,7 @@ def time_flex(q, k, v, rule: Rule):
 
 
 def visible_pairs(rule: Rule, s: int) -> int:
-    lo, hi = rule.key_bounds(torch.arange(s))
-    return int((hi.clamp(max=s) - lo.clamp(min=0)).clamp(min=0).sum())
+    return int(visible_per_position(rule, s).sum())
 
 
 def main() -> None:

@@ -154,18 +154,17 @@ def mask_inputs(s: int, world: int) -> dict[str, dict]:
     seed 0) in the `zigzag` and `stripe` layouts (zigzag's work imbalance is 1.2-1.7 at W = 4 there,
     stripe's 1.00: mask_balance.json) over S: the ring's keyword arguments, the visible pairs and the
     causal work imbalance (max/mean over ranks) of the layout."""
-    from mask_balance import imbalance, log_uniform_documents
+    from mask_balance import imbalance, log_uniform_documents, visible_per_position
 
     from ringlse.masks import Rule
 
     docs = log_uniform_documents(s, 256, 32768, 0)
-    doc_rule = Rule(True, docs=tuple(docs))
+    doc_rule = Rule(True, docs=docs)
     out = {}
     for name, kwargs, rule in (("window 4K", dict(window_size=(4096, 0), layout="zigzag"), Rule(True, window=(4096, 0))),
                                *((f"{len(docs) - 1} documents, log-uniform 256-32K, {layout}",
                                   dict(cu_seqlens=docs, layout=layout), doc_rule) for layout in ("zigzag", "stripe"))):
-        lo, hi = rule.key_bounds(torch.arange(s))
-        out[name] = dict(kwargs=kwargs, visible_pairs=int((hi.clamp(max=s) - lo.clamp(min=0)).clamp(min=0).sum()),
+        out[name] = dict(kwargs=kwargs, visible_pairs=int(visible_per_position(rule, s).sum()),
                          layout=kwargs["layout"], imbalance=imbalance(rule, kwargs["layout"], world, s))
     return out
 
