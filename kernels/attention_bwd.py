@@ -44,9 +44,9 @@ from ringlse.kernels.attention_common import (
     tile_visible,
 )
 try:  # the Hopper dk/dv kernel is Gluon, which Triton before 3.5 does not have
-    from ringlse.kernels.attention_bwd_hopper import hopper_dkdv, hopper_dkdv_applies
+    from ringlse.kernels.attention_bwd_hopper import hopper_dkdv, hopper_dkdv_applies, hopper_fuses_dq
 except ImportError:  # pragma: no cover - old Triton
-    hopper_dkdv = hopper_dkdv_applies = None
+    hopper_dkdv = hopper_dkdv_applies = hopper_fuses_dq = None
 from ringlse.kernels.host import cdiv, interpreting, tma_indexable
 
 try:  # host-side TMA descriptors (Triton 3.4 on); without them dq is added by a load, add and store
@@ -438,9 +438,15 @@ def _backward_impl(
     configs = bwd_configs(d, q.dtype, causal or intervals)
     if dk_acc is not None:
         if hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, dout):
-            # sm_90, bf16/fp16, head dim 64/128: the Gluon dk/dv kernel (TMA, warp-specialized WGMMA)
+            # sm_90, bf16/fp16, head dim 64/128: the Gluon dk/dv kernel (TMA, warp-specialized WGMMA), on
+            # dense blocks with dq added in the same pass (5 GEMMs per tile pair instead of 7)
+            fuse = dq_acc is not None and hopper_fuses_dq(dq_acc, dk_acc, dv_acc, masked=query_lo is not None,
+                                                          causal=causal, offset=offset)
             hopper_dkdv(dout, q, k, v, lse, delta, dk_acc, dv_acc, qk_scale=qk_scale, dk_scale=dk_scale,
-                        causal=causal, offset=offset, query_lo=query_lo, query_hi=query_hi)
+                        causal=causal, offset=offset, query_lo=query_lo, query_hi=query_hi,
+                        dq_acc=dq_acc if fuse else None, dq_scale=dq_scale)
+            if fuse:
+                return
         else:
             launch_with_fallback(DKDV_CHOSEN, key, configs, launch_dkdv)
     if dq_acc is not None:

@@ -1,29 +1,37 @@
-"""Hopper (sm_90) dk/dv kernel of the backward in Gluon: TMA loads by a producer warp, WGMMA in two
-consumer warpgroups, gradients added into the float32 accumulators as the Triton kernel does.
+"""Hopper (sm_90) backward kernel in Gluon: dk/dv, and on dense blocks dq in the same pass. TMA loads by a
+producer warp, WGMMA in two consumer warpgroups, gradients added into the float32 accumulators by TMA.
 
-Same contract and numerics as `attention_bwd`'s dk/dv kernel (P recomputed from the global lse, rows whose
-lse is -inf contribute 0, `dV += P^T dO`, `dK += scale * dS^T Q` with `dS = P * (dO V^T - delta)`), for
-bf16/fp16, head dims 64 and 128, dense, causal or interval-masked blocks (windows, packed documents);
-`attention_bwd`'s launcher routes here on sm_90.
+Same contract and numerics as `attention_bwd`'s kernels (P recomputed from the global lse, rows whose lse
+is -inf contribute 0, `dV += P^T dO`, `dK += scale * dS^T Q`, `dQ += scale * dS K` with
+`dS = P * (dO V^T - delta)`), for bf16/fp16, head dims 64 and 128, dense, causal or interval-masked blocks
+(windows, packed documents); `attention_bwd`'s launcher routes here on sm_90.
 
 Structure: one program owns `BLOCK_N = 128` keys of one kv head (K and V loaded once, 64 keys per
-consumer warpgroup) and walks the query tiles of every query head of its GQA group that can see them;
-the loader warp streams Q and dO tiles, with their rows' lse and delta, through a ring of shared-memory
-slots guarded by mbarriers. Per query tile a consumer computes `S^T = K Q^T` and `dP^T = V dO^T` (both
-in flight at once), then `P^T`, `dS^T` in registers and `dV += P^T dO`, `dK += dS^T Q` with P^T and
-dS^T straight from registers. Interval masks: the walk over the inverse intervals (the queries that see
-each key) as the Triton kernel's, query tiles seen whole by every live key unmasked, keys no query sees
-reset to 0 at the end.
+consumer warpgroup) and walks the query tiles that can see them, of every query head of its GQA group
+(dk/dv alone) or of one (with dq); the loader warp streams Q and dO tiles, with their rows' lse and delta,
+through a ring of shared-memory slots guarded by mbarriers. Per query tile a consumer computes
+`S^T = K Q^T` and `dP^T = V dO^T` (both in flight at once), then `P^T`, `dS^T` in registers and
+`dV += P^T dO`, `dK += dS^T Q` with P^T and dS^T straight from registers. Interval masks: the walk over
+the inverse intervals (the queries that see each key) as the Triton kernel's, query tiles seen whole by
+every live key unmasked, keys no query sees reset to 0 at the end.
+
+dq in the same pass (FUSED: 5 GEMMs per pair of tiles where dk/dv and a dq kernel take 7): each step's
+dS^T also goes to shared memory, and `dQ = dS K` over the program's 128 keys (head dim 128: each warpgroup
+half of the columns; 64: whole tiles, warpgroups taking turns) goes to a float32 slot that a writer warp
+adds into the accumulator by TMA. The adds of different programs to one tile come in a fixed order (a
+count per tile in global memory, `hopper_ops.wait_turn`), so dq, dk and dv are the same bit for bit from
+run to run: a query tile takes its dQ by descending key tile, which is why a head's key tiles start in
+descending order; a kv head's dk/dv take their query heads' adds in ascending order.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -33,6 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ringlse.kernels.attention_common import key_tile_query_range
 from ringlse.kernels.attention_fwd_hopper import interval_walk, tma_rows_apply
+from ringlse.kernels.hopper_ops import pass_turn, tma_add, tma_add_from_smem, wait_turn
 from ringlse.kernels.host import rows_view, tma_indexable
 
 BLOCK_N = 128  # keys per program (64 per consumer warpgroup)
@@ -43,48 +52,61 @@ BLOCK_M = 64
 STAGES = 2
 
 
-@gl._core.builtin
-def _tma_add(desc, coord, value, _semantic=None):
-    """Add a register tile into global memory through TMA (`cp.reduce.async.bulk.tensor` add): Triton's
-    `tt.descriptor_reduce`, which Gluon's TMA lowering stages through shared memory, but Gluon 3.6 does not
-    wrap for Hopper. Each element gets one float32 add (deterministic); a load, add and store may fuse
-    the scale into its add, so the two can differ in the last bit."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_descriptor_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, value.handle, coord)
-
-
 @gluon.jit
-def _key_tile(walk, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr):
-    """This program's keys and query walk: `(off_b, off_hk, n0, m_lo, full_lo, full_hi, n_steps)`, `n_steps`
-    query tiles of `BM` from `m_lo` per query head, masked outside `[full_lo, full_hi)`."""
+def _key_tile(walk, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
+              FUSED: gl.constexpr):
+    """This program's keys and query walk: `(off_b, off_hk, g_lo, n_g, n0, m_lo, full_lo, full_hi, n_steps)`,
+    `n_steps` query tiles of `BM` from `m_lo` for each of the `n_g` query heads from `g_lo` of the kv head's
+    group, masked outside `[full_lo, full_hi)`."""
     HKV, GROUP, SQ, SK, OFFSET, QueryLo, QueryHi = walk
-    pid_bh = gl.program_id(1)
-    n0 = gl.program_id(0) * BN
+    pid_h = gl.program_id(1)
+    if FUSED:
+        # one query head per program (grid over B * H): a kv head's programs would be GROUP times longer,
+        # and the longest start last (below)
+        off_b = pid_h // (HKV * GROUP)
+        off_hk = pid_h % (HKV * GROUP) // GROUP
+        g_lo = pid_h % GROUP
+        n_g = 1
+        # the key tiles of a head start in descending order, as each query tile takes their dQ adds: a key
+        # tile's turn then waits only on key tiles started before it (no deadlock), and causal walks reach
+        # each query tile two steps after the key tile above (no waiting)
+        n0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BN
+    else:
+        off_b = pid_h // HKV
+        off_hk = pid_h % HKV
+        g_lo = 0
+        n_g = GROUP
+        # ascending: the longest causal walks start first
+        n0 = gl.program_id(0) * BN
     if INTERVALS:
         m_lo, full_lo, full_hi, m_hi = interval_walk(QueryLo, QueryHi, n0, SK, SQ, BN, BM)
-        n_steps = gl.cdiv(m_hi - m_lo, BM)
+        n_steps = gl.maximum(gl.cdiv(m_hi - m_lo, BM), 0)
     else:
         m_lo, full_lo = key_tile_query_range(n0, SQ, SK, OFFSET, BM, BN, CAUSAL)
-        n_steps = gl.cdiv(SQ - m_lo, BM)
+        # (>= 0: a key tile no query sees has m_lo past SQ, and `//` truncates toward zero, so the count
+        # could come out negative; the writers' count of slot uses then went wrong, and with it the phase
+        # they wait for)
+        n_steps = gl.maximum(gl.cdiv(SQ - m_lo, BM), 0)
         full_hi = m_lo + n_steps * BM
-    return pid_bh // HKV, pid_bh % HKV, n0, m_lo, full_lo, full_hi, n_steps
+    return off_b, off_hk, g_lo, n_g, n0, m_lo, full_lo, full_hi, n_steps
 
 
 @gluon.jit
 def _dkdv_load(descs, smem, bars, walk, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-               ROW_TMA: gl.constexpr):
+               ROW_TMA: gl.constexpr, FUSED: gl.constexpr):
     """The loader warp: this program's K and V once, then Q and dO tile by tile into the ring (with
     ROW_TMA, each tile's lse and delta rows with them)."""
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = descs
-    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem = smem
-    kv_ready, q_ready, q_empty, do_ready, do_empty = bars
+    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
+    kv_ready, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_full, dq_empty = bars
     HKV, GROUP, SQ, SK, OFFSET, QueryLo, QueryHi = walk
     STAGES_: gl.constexpr = q_smem.type.shape[0]
     CONSUMERS: gl.constexpr = k_smem.type.shape[0]
     ROWS: gl.constexpr = k_smem.type.shape[1]
     BM: gl.constexpr = q_smem.type.shape[1]
     BN: gl.constexpr = CONSUMERS * ROWS
-    off_b, off_hk, n0, m_lo, full_lo, full_hi, n_steps = _key_tile(walk, BM, BN, CAUSAL, INTERVALS)
+    off_b, off_hk, g_lo, n_g, n0, m_lo, full_lo, full_hi, n_steps = _key_tile(walk, BM, BN, CAUSAL, INTERVALS,
+                                                                               FUSED)
     mbarrier.expect(kv_ready, CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for c in gl.static_range(CONSUMERS):
         tma.async_copy_global_to_shared(k_desc, [off_b * SK + n0 + c * ROWS, off_hk * HEAD_D], kv_ready,
@@ -93,38 +115,84 @@ def _dkdv_load(descs, smem, bars, walk, HEAD_D: gl.constexpr, CAUSAL: gl.constex
                                         v_smem.index(c))
     ROW_BYTES: gl.constexpr = lse_desc.block_type.nbytes if ROW_TMA else 0
     it = 0
-    for g in range(GROUP):
-        col = (off_hk * GROUP + g) * HEAD_D
-        lse_row = off_b * (HKV * GROUP) + off_hk * GROUP + g  # of the [B * H, SQ] view
+    for gg in range(n_g):
+        col = (off_hk * GROUP + g_lo + gg) * HEAD_D
+        lse_row = off_b * (HKV * GROUP) + off_hk * GROUP + g_lo + gg  # of the [B * H, SQ] view
         for i in range(n_steps):
             s = it % STAGES_
             # a fresh mbarrier counts as having completed phase 1: the first waits on "empty" return at once
             ph = ((it // STAGES_) & 1) ^ 1
-            row = off_b * SQ + m_lo + i * BM
+            m0 = m_lo + i * BM
+            row = off_b * SQ + m0
             mbarrier.wait(q_empty.index(s), ph)
             mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + ROW_BYTES)
             tma.async_copy_global_to_shared(q_desc, [row, col], q_ready.index(s), q_smem.index(s))
             if ROW_TMA:
-                tma.async_copy_global_to_shared(lse_desc, [lse_row, m_lo + i * BM], q_ready.index(s),
+                tma.async_copy_global_to_shared(lse_desc, [lse_row, m0], q_ready.index(s),
                                                 lse_smem.index(s))
             mbarrier.wait(do_empty.index(s), ph)
             mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + ROW_BYTES)
             tma.async_copy_global_to_shared(do_desc, [row, col], do_ready.index(s), do_smem.index(s))
             if ROW_TMA:
-                tma.async_copy_global_to_shared(delta_desc, [lse_row, m_lo + i * BM], do_ready.index(s),
+                tma.async_copy_global_to_shared(delta_desc, [lse_row, m0], do_ready.index(s),
                                                 delta_smem.index(s))
             it += 1
 
 
 @gluon.jit
-def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale,
+def _dq_write(dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, W: gl.constexpr, HEAD_D: gl.constexpr,
+              BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """A writer warp (FUSED; two of them, W = 0, 1, one per consumer warpgroup's slot): adds each dQ tile
+    that consumer W computed into the float32 accumulator by TMA, then W's dk and dv, each in a fixed
+    order so that the gradients are the same bit for bit from run to run. A query tile takes its dQ adds
+    by descending key tile (this one's turn: the number of key tiles above it that see the tile; Sem counts
+    the adds made to each query tile of each head); a kv head's 64 keys take their dk/dv adds by ascending
+    query head of the group (KvSem). Each add completes before its turn passes on. (One warp for both
+    slots fell behind the consumers at head dim 64: poll, add and completion take longer than a step.)"""
+    kv_ready, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_full, dq_empty = bars
+    HKV, GROUP, SQ, SK, OFFSET, QueryLo, QueryHi = walk
+    off_b, off_hk, g_lo, n_g, n0, m_lo, full_lo, full_hi, n_steps = _key_tile(walk, BM, BN, CAUSAL, False, True)
+    n_qt = gl.cdiv(SQ, BM)
+    last_key_tile = gl.cdiv(SK, BN) - 1
+    for it in range(W, n_steps * n_g, 2):
+        off_h = off_hk * GROUP + g_lo + it // n_steps
+        m0 = m_lo + (it % n_steps) * BM
+        if CAUSAL:
+            # the last key tile that sees this query tile (all before it see it too)
+            above = gl.minimum(gl.cdiv(m0 + BM + OFFSET, BN) - 1, last_key_tile)
+        else:
+            above = last_key_tile
+        sem = Sem + (off_b * (HKV * GROUP) + off_h) * n_qt + m0 // BM
+        wait_turn(sem, above - n0 // BN)
+        mbarrier.wait(dq_full.index(W), (it // 2) & 1)
+        tma_add_from_smem(DQ, [off_b * SQ + m0, off_h * HEAD_D], dq_smem.index(W))
+        pass_turn(sem)
+        mbarrier.arrive(dq_empty.index(W), count=1)
+    uses = (n_steps * n_g - W + 1) // 2
+    kv_sem = KvSem + ((off_b * HKV + off_hk) * (last_key_tile + 1) + n0 // BN) * 2 + W
+    r = off_b * SK + n0 + W * 64
+    wait_turn(kv_sem, g_lo)
+    mbarrier.wait(dq_full.index(W), uses & 1)
+    tma_add_from_smem(DK, [r, off_hk * HEAD_D], dq_smem.index(W))
+    tma.store_wait(0)
+    mbarrier.arrive(dq_empty.index(W), count=1)
+    mbarrier.wait(dq_full.index(W), (uses + 1) & 1)
+    tma_add_from_smem(DV, [r, off_hk * HEAD_D], dq_smem.index(W))
+    pass_turn(kv_sem)
+
+
+@gluon.jit
+def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale,
                   WG: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                  REDUCE: gl.constexpr, ROW_TMA: gl.constexpr):
+                  REDUCE: gl.constexpr, ROW_TMA: gl.constexpr, FUSED: gl.constexpr):
     """A consumer warpgroup: dk/dv of its 64 keys over every query tile, added into DK/DV (pointers, or
     with REDUCE descriptors over `[B * SK, HKV * HEAD_D]` that TMA adds into). Each tile's lse and delta
-    rows come from the loader's slots (ROW_TMA) or are loaded here."""
-    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem = smem
-    kv_ready, q_ready, q_empty, do_ready, do_empty = bars
+    rows come from the loader's slots (ROW_TMA) or are loaded here. With FUSED, each step's dS^T goes to
+    shared memory too, this warpgroup computes its part of the tile's `dQ = dq_scale * dS K` over the
+    program's 128 keys (DQ_HALVES) into the step's dQ slot for a writer warp, and its final dk/dv go to the
+    writer of its slot."""
+    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
+    kv_ready, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_full, dq_empty = bars
     stride_lb, stride_lh, stride_ls, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh = strides
     HKV, GROUP, SQ, SK, OFFSET, QueryLo, QueryHi = walk
     STAGES_: gl.constexpr = q_smem.type.shape[0]
@@ -139,8 +207,15 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
                                                         instr_shape=[16, HEAD_D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    # dQ (FUSED) by column halves in both warpgroups at head dim 128 (a [64, 128] float32 accumulator beside
+    # dk and dv spilled), by whole tiles in alternate warpgroups at 64 (benchmarks/NOTES.md)
+    DQ_HALVES: gl.constexpr = FUSED and HEAD_D == 128
+    DQ_COLS: gl.constexpr = HEAD_D // 2
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
 
-    off_b, off_hk, n0, m_lo, full_lo, full_hi, n_steps = _key_tile(walk, BM, BN, CAUSAL, INTERVALS)
+    off_b, off_hk, g_lo, n_g, n0, m_lo, full_lo, full_hi, n_steps = _key_tile(walk, BM, BN, CAUSAL, INTERVALS,
+                                                                               FUSED)
     k_rows = k_smem.index(WG)
     v_rows = v_smem.index(WG)
     offs_n = n0 + WG * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, st_layout))
@@ -156,8 +231,8 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
 
     mbarrier.wait(kv_ready, 0)
     it = 0
-    for g in range(GROUP):
-        off_h = off_hk * GROUP + g
+    for gg in range(n_g):
+        off_h = off_hk * GROUP + g_lo + gg
         lse_base = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
         delta_base = Delta + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
         for i in range(n_steps):
@@ -196,10 +271,50 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
             dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_buf, dv, is_async=True)
             dpt, _, _ = warpgroup_mma_wait(1, deps=[dpt, v_rows, do_buf])
             dst = pt * (dpt - delta[None, :])
+            if FUSED:
+                # this warpgroup's half of dS^T to its slot of the step's pair (the dQ warpgroup of two
+                # steps ago has read it)
+                ds_phase = (it // 2) & 1
+                mbarrier.wait(ds_empty.index(s), ds_phase ^ 1)
+                ds_smem.index(2 * s + WG).store(dst.to(dtype))
+                fence_async_shared()
+                mbarrier.arrive(ds_ready.index(s), count=1)
             dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_buf, dk, is_async=True)
             dv, dk, _, _ = warpgroup_mma_wait(0, deps=[dv, dk, q_buf, do_buf])
             mbarrier.arrive(q_empty.index(s), count=1)
             mbarrier.arrive(do_empty.index(s), count=1)
+            if DQ_HALVES:
+                # this warpgroup's half of the tile's columns of dQ = dS K over both warpgroups' keys (dS from
+                # the two halves of dS^T, read transposed), into the step's dQ slot
+                mbarrier.wait(ds_ready.index(s), ds_phase)
+                ds0 = ds_smem.index(2 * s).permute((1, 0))
+                ds1 = ds_smem.index(2 * s + 1).permute((1, 0))
+                k0 = k_smem.index(0).slice(WG * DQ_COLS, DQ_COLS, 1)
+                k1 = k_smem.index(1).slice(WG * DQ_COLS, DQ_COLS, 1)
+                dq = warpgroup_mma(ds0, k0, gl.zeros([BM, DQ_COLS], gl.float32, dq_layout), use_acc=False,
+                                   is_async=True)
+                dq = warpgroup_mma(ds1, k1, dq, is_async=True)
+                dq = warpgroup_mma_wait(0, deps=[dq, ds0, ds1, k0, k1])[0]
+                mbarrier.arrive(ds_empty.index(s), count=1)
+                mbarrier.wait(dq_empty.index(s), ds_phase ^ 1)
+                dq_smem.index(s).slice(WG * DQ_COLS, DQ_COLS, 1).store(dq * dq_scale)
+                fence_async_shared()
+                mbarrier.arrive(dq_full.index(s), count=1)
+            elif FUSED:
+                if it % 2 == WG:
+                    # the whole tile of dQ = dS K on every other step (this step's stage is WG's)
+                    mbarrier.wait(ds_ready.index(WG), ds_phase)
+                    ds0 = ds_smem.index(2 * WG).permute((1, 0))
+                    ds1 = ds_smem.index(2 * WG + 1).permute((1, 0))
+                    dq = warpgroup_mma(ds0, k_smem.index(0), gl.zeros([BM, HEAD_D], gl.float32, kv_layout),
+                                       use_acc=False, is_async=True)
+                    dq = warpgroup_mma(ds1, k_smem.index(1), dq, is_async=True)
+                    dq = warpgroup_mma_wait(0, deps=[dq, ds0, ds1, k_smem.index(0), k_smem.index(1)])[0]
+                    mbarrier.arrive(ds_empty.index(WG), count=1)
+                    mbarrier.wait(dq_empty.index(WG), ds_phase ^ 1)
+                    dq_smem.index(WG).store(dq * dq_scale)
+                    fence_async_shared()
+                    mbarrier.arrive(dq_full.index(WG), count=1)
             it += 1
 
     if INTERVALS:
@@ -208,10 +323,23 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
         dk = gl.where(live[:, None], dk, 0.0)
         dv = gl.where(live[:, None], dv, 0.0)
     # dS was computed for scores already scaled; the chain rule through S = scale * q k^T adds it here
-    if REDUCE:
+    if FUSED:
+        # dk, then dv, to this warpgroup's writer warp through its dQ slot (the writer adds them in turn)
+        # (with DQ_HALVES slot WG's barrier counts both warpgroups' halves of a dQ tile: this whole tile
+        # arrives for both)
+        uses = (it - WG + 1) // 2
+        mbarrier.wait(dq_empty.index(WG), (uses & 1) ^ 1)
+        dq_smem.index(WG).store(dk * dk_scale)
+        fence_async_shared()
+        mbarrier.arrive(dq_full.index(WG), count=1 + DQ_HALVES)
+        mbarrier.wait(dq_empty.index(WG), ((uses + 1) & 1) ^ 1)
+        dq_smem.index(WG).store(dv)
+        fence_async_shared()
+        mbarrier.arrive(dq_full.index(WG), count=1 + DQ_HALVES)
+    elif REDUCE:
         r = off_b * SK + n0 + WG * ROWS
-        _tma_add(DK, [r, off_hk * HEAD_D], dk * dk_scale)
-        _tma_add(DV, [r, off_hk * HEAD_D], dv)
+        tma_add(DK, [r, off_hk * HEAD_D], dk * dk_scale)
+        tma_add(DV, [r, off_hk * HEAD_D], dv)
     else:
         offs_k = n0 + WG * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, kv_layout))
         offs_d = gl.arange(0, HEAD_D, gl.SliceLayout(0, kv_layout))
@@ -227,18 +355,21 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
 
 @gluon.jit
 def _attn_bwd_dkdv_hopper_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, Lse, Delta, DK, DV,
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, Lse, Delta, DK, DV, DQ, Sem, KvSem,
     stride_lb, stride_lh, stride_ls, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    HKV, GROUP, SQ, SK, OFFSET, qk_scale, dk_scale, QueryLo, QueryHi,
+    HKV, GROUP, SQ, SK, OFFSET, qk_scale, dk_scale, dq_scale, QueryLo, QueryHi,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, REDUCE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    ROW_TMA: gl.constexpr,
+    ROW_TMA: gl.constexpr, FUSED: gl.constexpr,
 ):
     """Grid `(cdiv(SK, BLOCK_N), B * HKV)`; descriptors over `[B * S, heads * HEAD_D]` views (K/V boxes
     of 64 rows, Q/dO boxes of BLOCK_M). Delta shares Lse's strides; DK/DV are float32 accumulators. With
     INTERVALS (then not CAUSAL), key `j` is seen by the queries `[QueryLo[j], QueryHi[j])` (int32 `[SK]`);
     otherwise QueryLo/QueryHi are None. With ROW_TMA, `lse_desc`/`delta_desc` index Lse/Delta as
-    `[B * H, SQ]` rows (boxes of `[1, BLOCK_M]`); else they are unused."""
+    `[B * H, SQ]` rows (boxes of `[1, BLOCK_M]`); else they are unused. With FUSED (dense blocks, REDUCE),
+    dq is added too: DQ a descriptor over the float32 `[B * SQ, H * HEAD_D]` accumulator (boxes of
+    `[BLOCK_M, HEAD_D]`, DK's and DV's layout), Sem and KvSem int32 zeros `[B * H, cdiv(SQ, BLOCK_M)]` and
+    `[B * HKV, cdiv(SK, BLOCK_N), 2]`, and the grid `(cdiv(SK, BLOCK_N), B * H)`: one query head per program."""
     dtype: gl.constexpr = q_desc.dtype
     CONSUMERS: gl.constexpr = BLOCK_N // 64
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -254,26 +385,63 @@ def _attn_bwd_dkdv_hopper_kernel(
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=CONSUMERS)
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(do_empty.index(i), count=CONSUMERS)
+    if FUSED:
+        # dS^T halves, a pair per stage; one dQ slot per consumer warpgroup (also its dk/dv staging)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, 64, BLOCK_M], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + DQ.block_type.shape, DQ.layout)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        dq_full = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        DQ_WGS: gl.constexpr = 2 if HEAD_D == 128 else 1  # the consumers that write a dQ tile (DQ_HALVES)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ds_ready.index(i), count=CONSUMERS)
+            mbarrier.init(ds_empty.index(i), count=DQ_WGS)
+        for i in gl.static_range(CONSUMERS):
+            mbarrier.init(dq_full.index(i), count=DQ_WGS)
+            mbarrier.init(dq_empty.index(i), count=1)
+    else:  # unused
+        ds_smem, dq_smem = q_smem, q_smem
+        ds_ready, ds_empty, dq_full, dq_empty = q_ready, q_empty, q_ready, q_empty
 
     descs = (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc)
-    smem = (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem)
-    bars = (kv_ready, q_ready, q_empty, do_ready, do_empty)
+    smem = (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem)
+    bars = (kv_ready, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_full, dq_empty)
     strides = (stride_lb, stride_lh, stride_ls, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh)
     walk = (HKV, GROUP, SQ, SK, OFFSET, QueryLo, QueryHi)
     gl.static_assert(CONSUMERS == 2)
-    gl.warp_specialize((
-        (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, 0, HEAD_D, CAUSAL,
-                         INTERVALS, REDUCE, ROW_TMA)),
-        (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, 1, HEAD_D, CAUSAL,
-                         INTERVALS, REDUCE, ROW_TMA)),
-        (_dkdv_load, (descs, smem, bars, walk, HEAD_D, CAUSAL, INTERVALS, ROW_TMA)),
-    ), [4, 1], [CONSUMER_REGS, 24])
+    gl.static_assert(STAGES == 2)  # FUSED: the dQ warpgroup of step `it` is `it % 2`, as is its stage
+    # (the partitions' functions cannot be held in variables: each call spells them out)
+    if FUSED:
+        gl.warp_specialize((
+            (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, 0,
+                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED)),
+            (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, 1,
+                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED)),
+            (_dkdv_load, (descs, smem, bars, walk, HEAD_D, CAUSAL, INTERVALS, ROW_TMA, FUSED)),
+            (_dq_write, (dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, 0, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL)),
+            (_dq_write, (dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, 1, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL)),
+        ), [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
+    else:
+        gl.warp_specialize((
+            (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, 0,
+                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED)),
+            (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, 1,
+                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED)),
+            (_dkdv_load, (descs, smem, bars, walk, HEAD_D, CAUSAL, INTERVALS, ROW_TMA, FUSED)),
+        ), [4, 1], [CONSUMER_REGS, 24])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -285,16 +453,31 @@ def hopper_dkdv_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout:
     return tma_rows_apply(q, k, v, dout)
 
 
+def hopper_fuses_dq(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor, *, masked: bool,
+                    causal: bool, offset: int) -> bool:
+    """Whether `hopper_dkdv` adds dq too: dense blocks, accumulators that TMA indexes, and every key tile
+    seen by some query. (A causal block whose last keys no query sees hung the fused kernel on an H200,
+    its programs without steps counting their slot uses as negative; `_key_tile` now counts 0 steps, but
+    that path has not run on a GPU since, so those blocks keep the dq kernel.)"""
+    if masked or not all(tma_indexable(t) for t in (dq_acc, dk_acc, dv_acc)):
+        return False
+    sq, sk = dq_acc.shape[1], dk_acc.shape[1]
+    last_key = (triton.cdiv(sk, BLOCK_N) - 1) * BLOCK_N
+    return not causal or max(last_key - offset, 0) // BLOCK_M * BLOCK_M < sq
+
+
 def hopper_dkdv(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor, *,
     qk_scale: float, dk_scale: float, causal: bool, offset: int, block_m: int | None = None,
     query_lo: torch.Tensor | None = None, query_hi: torch.Tensor | None = None,
+    dq_acc: torch.Tensor | None = None, dq_scale: float = 0.0,
 ) -> None:
-    """Add this block's dk/dv into the float32 accumulators. The caller has checked `hopper_dkdv_applies`
-    and the arguments (`delta` with `lse`'s strides, `qk_scale >= 0`, a 32-bit `offset`, `sq, sk > 0`;
-    with `query_lo`/`query_hi`, contiguous int32 `[sk]` (see `attention_bwd.attention_backward`), `causal`
-    is False). `block_m` (benchmarks only) replaces the table's.
+    """Add this block's dk/dv (with `dq_acc`, its dq too) into the float32 accumulators. The caller has
+    checked `hopper_dkdv_applies` (with `dq_acc`, `hopper_fuses_dq`) and the arguments (`delta` with `lse`'s
+    strides, `qk_scale >= 0`, a 32-bit `offset`, `sq, sk > 0`; with `query_lo`/`query_hi`, contiguous int32
+    `[sk]` (see `attention_bwd.attention_backward`), `causal` is False). `block_m` (benchmarks only)
+    replaces the table's.
 
     Accumulators that TMA can index take the tiles through TMA reduce-adds, others a load, add and store:
     the reduce-add left the programs' ends to the copy engine, 4-13% faster on windows and packed documents
@@ -302,7 +485,9 @@ def hopper_dkdv(
     other (they differ in the last bit where the load-add-store fuses `dk * scale` into its add)."""
     b, sq, h, d = q.shape
     reduce = tma_indexable(dk_acc) and tma_indexable(dv_acc)
+    fused = dq_acc is not None
     bm = BLOCK_M if block_m is None else block_m
+    assert not fused or (reduce and bm == 64 and query_lo is None)
     sk, hkv = k.shape[1], k.shape[2]
     if b > 1 and (sq % bm or (reduce and sk % BLOCK_N)):
         # the descriptors see the batch as one [b * s] matrix: a partial last query tile would read the next
@@ -312,7 +497,8 @@ def hopper_dkdv(
         for i in range(b):
             hopper_dkdv(dout[i:i + 1], q[i:i + 1], k[i:i + 1], v[i:i + 1], lse[i:i + 1], delta[i:i + 1],
                         dk_acc[i:i + 1], dv_acc[i:i + 1], qk_scale=qk_scale, dk_scale=dk_scale, causal=causal,
-                        offset=offset, block_m=block_m, query_lo=query_lo, query_hi=query_hi)
+                        offset=offset, block_m=block_m, query_lo=query_lo, query_hi=query_hi,
+                        dq_acc=None if dq_acc is None else dq_acc[i:i + 1], dq_scale=dq_scale)
         return
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     descs = []
@@ -331,16 +517,27 @@ def hopper_dkdv(
         else:  # unused: any descriptor of the kernel's box
             descs.append(TensorDescriptor(lse.new_empty(4, bm), [4, bm], [bm, 1], [1, bm], row_layout))
     accs = [dk_acc, dv_acc]
+    sems = [None, None]
+    n_kt = triton.cdiv(sk, BLOCK_N)
     if reduce:
         layout = gl.NVMMASharedLayout.get_default_for([64, d], gl.float32)
         accs = [TensorDescriptor(t, *rows_view(t), [64, d], layout) for t in accs]
-    grid = (triton.cdiv(sk, BLOCK_N), b * hkv)
+        if fused:
+            accs.append(TensorDescriptor(dq_acc, *rows_view(dq_acc), [64, d], layout))
+            # the count of adds made to each query tile's dq and each key tile half's dk/dv: the turns that
+            # keep their order fixed
+            n_dq = b * h * triton.cdiv(sq, bm)
+            sem = torch.zeros(n_dq + b * hkv * n_kt * 2, dtype=torch.int32, device=q.device)
+            sems = [sem[:n_dq], sem[n_dq:]]
+    if not fused:
+        accs.append(None)
+    grid = (n_kt, b * (h if fused else hkv))
     _attn_bwd_dkdv_hopper_kernel[grid](
-        *descs, lse, delta, *accs,
+        *descs, lse, delta, *accs, *sems,
         lse.stride(0), lse.stride(1), lse.stride(2),
         dk_acc.stride(0), dk_acc.stride(1), dk_acc.stride(2), dv_acc.stride(0), dv_acc.stride(1), dv_acc.stride(2),
-        hkv, h // hkv, sq, sk, offset, qk_scale, dk_scale, query_lo, query_hi,
+        hkv, h // hkv, sq, sk, offset, qk_scale, dk_scale, dq_scale, query_lo, query_hi,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal, INTERVALS=query_lo is not None,
-        REDUCE=reduce, CONSUMER_REGS=240, ROW_TMA=row_tma,
+        REDUCE=reduce, CONSUMER_REGS=240, ROW_TMA=row_tma, FUSED=fused,
         num_warps=4, maxnreg=168,
     )

@@ -1,0 +1,54 @@
+"""Gluon operations the Hopper kernels need that Triton 3.6 does not wrap for sm_90: TMA reduce-adds (from
+registers or from shared memory) and the turns that put the adds of different programs to the same tile
+in a fixed order (a count in global memory that each program waits to reach, then raises), which keeps
+float32 sums bitwise reproducible.
+
+A turn waits only on programs started earlier: blocks start in grid order, so a program may wait on a
+lower block index, never on a higher one (a program waiting on one that cannot start would hang).
+"""
+
+from __future__ import annotations
+
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@gl._core.builtin
+def tma_add(desc, coord, value, _semantic=None):
+    """Add a register tile into global memory through TMA (`cp.reduce.async.bulk.tensor` add): Triton's
+    `tt.descriptor_reduce`, which Gluon's TMA lowering stages through shared memory, but Gluon 3.6 does not
+    wrap for Hopper. Each element gets one float32 add (deterministic); a load, add and store may fuse
+    the scale into its add, so the two can differ in the last bit."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_descriptor_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, value.handle, coord)
+
+
+@gl._core.builtin
+def tma_add_from_smem(desc, coord, src, _semantic=None):
+    """Add a shared-memory tile into global memory through TMA (`cp.reduce.async.bulk.tensor` add), the
+    op Gluon 3.6 has (`async_tma_reduce`) but does not wrap for Hopper; completion is awaited separately."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def wait_turn(sem_ptr, turn):
+    """Spin until the int32 count at `sem_ptr` (adds made to a tile) reaches `turn` (acquire: what was added
+    before the count was raised is visible after)."""
+    seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [sem_ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+    while seen != turn:
+        seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [sem_ptr],
+                                         dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def pass_turn(sem_ptr):
+    """Wait until this thread's TMA adds have completed (written, not only read from shared memory: the
+    next program's add must land after them), then count one more add at `sem_ptr` (one lane of the
+    calling warp, release). Call it from a one-warp partition, after the add."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 l; cp.async.bulk.wait_group 0; bar.warp.sync -1; mov.u32 l, %laneid; "
+        "setp.eq.u32 p, l, 0; @p red.release.gpu.global.add.s32 [$1], 1; mov.u32 $0, 0; }",
+        "=r,l", [sem_ptr], dtype=gl.int32, is_pure=False, pack=1)
