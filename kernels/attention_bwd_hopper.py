@@ -147,8 +147,9 @@ def _dq_write(dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, W: gl.constexpr, HEAD
     order so that the gradients are the same bit for bit from run to run. A query tile takes its dQ adds
     by descending key tile (this one's turn: the number of key tiles above it that see the tile; Sem counts
     the adds made to each query tile of each head); a kv head's 64 keys take their dk/dv adds by ascending
-    query head of the group (KvSem). Each add completes before its turn passes on. (One warp for both
-    slots fell behind the consumers at head dim 64: poll, add and completion take longer than a step.)"""
+    query head of the group (KvSem). Each add completes before its turn passes on. (Two writers give each
+    add two steps' time: a poll, an add and its completion in sequence may take longer than one step at
+    head dim 64; not measured apart from the other changes of its version, benchmarks/NOTES.md.)"""
     kv_ready, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_full, dq_empty = bars
     HKV, GROUP, SQ, SK, OFFSET, QueryLo, QueryHi = walk
     off_b, off_hk, g_lo, n_g, n0, m_lo, full_lo, full_hi, n_steps = _key_tile(walk, BM, BN, CAUSAL, False, True)
