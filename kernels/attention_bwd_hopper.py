@@ -185,7 +185,7 @@ def _dq_write(dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, W: gl.constexpr, HEAD
 @gluon.jit
 def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale,
                   WG: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                  REDUCE: gl.constexpr, ROW_TMA: gl.constexpr, FUSED: gl.constexpr):
+                  REDUCE: gl.constexpr, ROW_TMA: gl.constexpr, FUSED: gl.constexpr, DQ_HALVES: gl.constexpr):
     """A consumer warpgroup: dk/dv of its 64 keys over every query tile, added into DK/DV (pointers, or
     with REDUCE descriptors over `[B * SK, HKV * HEAD_D]` that TMA adds into). Each tile's lse and delta
     rows come from the loader's slots (ROW_TMA) or are loaded here. With FUSED, each step's dS^T goes to
@@ -208,9 +208,6 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
                                                         instr_shape=[16, HEAD_D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-    # dQ (FUSED) by column halves in both warpgroups at head dim 128 (a [64, 128] float32 accumulator beside
-    # dk and dv spilled), by whole tiles in alternate warpgroups at 64 (benchmarks/NOTES.md)
-    DQ_HALVES: gl.constexpr = FUSED and HEAD_D == 128
     DQ_COLS: gl.constexpr = HEAD_D // 2
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
@@ -397,6 +394,9 @@ def _attn_bwd_dkdv_hopper_kernel(
         mbarrier.init(q_empty.index(i), count=CONSUMERS)
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(do_empty.index(i), count=CONSUMERS)
+    # dQ (FUSED) by column halves in both warpgroups at head dim 128 (a [64, 128] float32 accumulator beside
+    # dk and dv spilled), by whole tiles in alternate warpgroups at 64 (benchmarks/NOTES.md)
+    DQ_HALVES: gl.constexpr = FUSED and HEAD_D == 128
     if FUSED:
         # dS^T halves, a pair per stage; one dQ slot per consumer warpgroup (also its dk/dv staging)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], dtype)
@@ -406,7 +406,7 @@ def _attn_bwd_dkdv_hopper_kernel(
         ds_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         dq_full = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-        DQ_WGS: gl.constexpr = 2 if HEAD_D == 128 else 1  # the consumers that write a dQ tile (DQ_HALVES)
+        DQ_WGS: gl.constexpr = 2 if DQ_HALVES else 1  # the consumers that write a dQ tile
         for i in gl.static_range(STAGES):
             mbarrier.init(ds_ready.index(i), count=CONSUMERS)
             mbarrier.init(ds_empty.index(i), count=DQ_WGS)
@@ -428,9 +428,9 @@ def _attn_bwd_dkdv_hopper_kernel(
     if FUSED:
         gl.warp_specialize((
             (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, 0,
-                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED)),
+                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED, DQ_HALVES)),
             (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, 1,
-                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED)),
+                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED, DQ_HALVES)),
             (_dkdv_load, (descs, smem, bars, walk, HEAD_D, CAUSAL, INTERVALS, ROW_TMA, FUSED)),
             (_dq_write, (dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, 0, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL)),
             (_dq_write, (dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, 1, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL)),
@@ -438,9 +438,9 @@ def _attn_bwd_dkdv_hopper_kernel(
     else:
         gl.warp_specialize((
             (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, 0,
-                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED)),
+                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED, DQ_HALVES)),
             (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, 1,
-                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED)),
+                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED, DQ_HALVES)),
             (_dkdv_load, (descs, smem, bars, walk, HEAD_D, CAUSAL, INTERVALS, ROW_TMA, FUSED)),
         ), [4, 1], [CONSUMER_REGS, 24])
 
