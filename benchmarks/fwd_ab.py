@@ -6,7 +6,7 @@ of the installed kernel) are timed in alternation, twice over (the better of eac
 their outputs compared. With `--accum`, the in-kernel merge into a float32 running state (the ring's
 forward; both sides from the same state), and the installed kernel's plain forward as variant "plain".
 
-Usage (on a GPU): python benchmarks/fwd_ab.py --before FILE [--out DIR] [--seqlen S] [--accum]
+Usage (on a GPU): python benchmarks/fwd_ab.py --before FILE [--out DIR] [--seqlen S] [--accum] [--dense]
 """
 from __future__ import annotations
 
@@ -55,12 +55,15 @@ def main() -> None:
     ap.add_argument("--variants", default="", help="also the installed kernel with these configs, e.g. "
                     "'128:0,192:1' (block_m:persistent; 192 only at head dim 64)")
     ap.add_argument("--accum", action="store_true", help="the merging forward (float32 state)")
+    ap.add_argument("--dense", action="store_true", help="only the dense blocks (no masked inputs)")
     args = ap.parse_args()
     from ringlse.kernels import attention_fwd_hopper as after
 
     before = load_module(args.before, "attention_fwd_hopper_before")
     rows = []
     for name, b, s, h, d, mask, pairs in all_cases(args.seqlen):
+        if args.dense and not name.startswith("dense"):
+            continue
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         outs = {}
         fns = {}

@@ -454,17 +454,10 @@ def hopper_dkdv_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout:
     return tma_rows_apply(q, k, v, dout)
 
 
-def hopper_fuses_dq(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor, *, masked: bool,
-                    causal: bool, offset: int) -> bool:
-    """Whether `hopper_dkdv` adds dq too: dense blocks, accumulators that TMA indexes, and every key tile
-    seen by some query. (A causal block whose last keys no query sees hung the fused kernel on an H200,
-    its programs without steps counting their slot uses as negative; `_key_tile` now counts 0 steps, but
-    that path has not run on a GPU since, so those blocks keep the dq kernel.)"""
-    if masked or not all(tma_indexable(t) for t in (dq_acc, dk_acc, dv_acc)):
-        return False
-    sq, sk = dq_acc.shape[1], dk_acc.shape[1]
-    last_key = (triton.cdiv(sk, BLOCK_N) - 1) * BLOCK_N
-    return not causal or max(last_key - offset, 0) // BLOCK_M * BLOCK_M < sq
+def hopper_fuses_dq(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor, *, masked: bool) -> bool:
+    """Whether `hopper_dkdv` adds dq too: dense blocks (causal or not, any offset: key tiles no query sees
+    take no step and add nothing) and accumulators that TMA indexes."""
+    return not masked and all(tma_indexable(t) for t in (dq_acc, dk_acc, dv_acc))
 
 
 def hopper_dkdv(
