@@ -259,10 +259,13 @@ def time_ours(b, h, s, d, causal, dtype=torch.bfloat16, fwd_cfg=None, bwd_cfg=No
     scale = d**-0.5
     res = {}
     outs = [F.attention_forward(q, k, v, softmax_scale=scale, causal=causal, q_start=0, k_start=0) for q, k, v, _ in sets]
+    def fwd(i):
+        F.attention_forward(sets[i][0], sets[i][1], sets[i][2], softmax_scale=scale, causal=causal, q_start=0,
+                            k_start=0)
+
     if "fwd" in which:
         if fwd_cfg is None:
-            res["fwd"] = _bench(lambda i: F.attention_forward(
-                sets[i][0], sets[i][1], sets[i][2], softmax_scale=scale, causal=causal, q_start=0, k_start=0), n)
+            res["fwd"] = _bench(fwd, n)
         else:
             o = torch.empty_like(sets[0][0])
             lse = torch.empty(b, h, s, dtype=torch.float32, device="cuda")
@@ -272,9 +275,20 @@ def time_ours(b, h, s, d, causal, dtype=torch.bfloat16, fwd_cfg=None, bwd_cfg=No
     if "merge" in which:
         acc = torch.zeros(b, s, h, d, dtype=torch.float32, device="cuda")
         lacc = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device="cuda")
-        res["fwd_merge"] = _bench(lambda i: F.attention_forward(
-            sets[i][0], sets[i][1], sets[i][2], softmax_scale=scale, causal=causal, q_start=0, k_start=0,
-            out_acc=acc, lse_acc=lacc), n)
+
+        def merge(i):
+            F.attention_forward(sets[i][0], sets[i][1], sets[i][2], softmax_scale=scale, causal=causal, q_start=0,
+                                k_start=0, out_acc=acc, lse_acc=lacc)
+
+        # the merge's cost is a few percent, below the drift of clocks between two timings taken one after
+        # the other (1.06-1.12 at 8K d 128 that way, 0.99-1.01 in alternation: fwd_ab_accum_dense): timed in
+        # alternation with the plain forward, the better of two medians each
+        runs = {"fwd": [], "merge": []}
+        for _ in range(2):
+            runs["fwd"].append(_bench(fwd, n))
+            runs["merge"].append(_bench(merge, n))
+        res["fwd_merge"] = min(runs["merge"])
+        res["fwd_merge_ratio"] = min(runs["merge"]) / min(runs["fwd"])
     if "bwd" in which or "dkdv" in which or "dq" in which:
         dq = torch.zeros(b, s, h, d, dtype=torch.float32, device="cuda")
         dk = torch.zeros(sets[0][1].shape, dtype=torch.float32, device="cuda")
@@ -488,7 +502,7 @@ def run_bench(args) -> None:
                 row[f"{name}_bwd_tflops"] = 2.5 * fl / r["bwd"] / 1e9
             row["ours_fwd_merge_ms"] = ours["fwd_merge"]
             row["ours_fwd_merge_tflops"] = fl / ours["fwd_merge"] / 1e9
-            row["merge_fwd_time_ratio"] = ours["fwd_merge"] / ours["fwd"]
+            row["merge_fwd_time_ratio"] = ours["fwd_merge_ratio"]
             for peer in peers:
                 row[f"fwd_ratio_vs_{peer}"] = row[f"{peer}_fwd_ms"] / row["ours_fwd_ms"]
                 row[f"bwd_ratio_vs_{peer}"] = row[f"{peer}_bwd_ms"] / row["ours_bwd_ms"]

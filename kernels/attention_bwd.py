@@ -438,9 +438,9 @@ def _backward_impl(
     configs = bwd_configs(d, q.dtype, causal or intervals)
     if dk_acc is not None:
         if hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, dout):
-            # sm_90, bf16/fp16, head dim 64/128: the Gluon dk/dv kernel (TMA, warp-specialized WGMMA), on
-            # dense blocks with dq added in the same pass (5 GEMMs per tile pair instead of 7)
-            fuse = dq_acc is not None and hopper_fuses_dq(dq_acc, dk_acc, dv_acc, masked=query_lo is not None)
+            # sm_90, bf16/fp16, head dim 64/128: the Gluon dk/dv kernel (TMA, warp-specialized WGMMA), with
+            # dq added in the same pass (5 GEMMs per tile pair instead of 7)
+            fuse = dq_acc is not None and hopper_fuses_dq(dq_acc, dk_acc, dv_acc)
             hopper_dkdv(dout, q, k, v, lse, delta, dk_acc, dv_acc, qk_scale=qk_scale, dk_scale=dk_scale,
                         causal=causal, offset=offset, query_lo=query_lo, query_hi=query_hi,
                         dq_acc=dq_acc if fuse else None, dq_scale=dq_scale)

@@ -1,4 +1,4 @@
-"""Hopper (sm_90) backward kernel in Gluon: dk/dv, and on dense blocks dq in the same pass. TMA loads by a
+"""Hopper (sm_90) backward kernel in Gluon: dk/dv, and dq in the same pass. TMA loads by a
 producer warp, WGMMA in two consumer warpgroups, gradients added into the float32 accumulators by TMA.
 
 Same contract and numerics as `attention_bwd`'s kernels (P recomputed from the global lse, rows whose lse
@@ -19,9 +19,10 @@ dq in the same pass (FUSED: 5 GEMMs per pair of tiles where dk/dv and a dq kerne
 dS^T also goes to shared memory, and `dQ = dS K` over the program's 128 keys (head dim 128: each warpgroup
 half of the columns; 64: whole tiles, warpgroups taking turns) goes to a float32 slot that a writer warp
 adds into the accumulator by TMA. The adds of different programs to one tile come in a fixed order (a
-count per tile in global memory, `hopper_ops.wait_turn`), so dq, dk and dv are the same bit for bit from
+turn per tile in global memory, `hopper_ops.wait_turn`), so dq, dk and dv are the same bit for bit from
 run to run: a query tile takes its dQ by descending key tile, which is why a head's key tiles start in
-descending order; a kv head's dk/dv take their query heads' adds in ascending order.
+descending order; a kv head's dk/dv take their query heads' adds in ascending order. (Interval bounds that
+decrease somewhere, which no mask of ringlse makes, keep the sum but not its order: `_dq_write`.)
 """
 
 from __future__ import annotations
@@ -53,6 +54,24 @@ STAGES = 2
 
 
 @gluon.jit
+def _key_walk(n0, walk, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr):
+    """The query walk of the key tile at key `n0`: `(m_lo, full_lo, full_hi, n_steps)`, `n_steps` query
+    tiles of `BM` from `m_lo`, masked outside `[full_lo, full_hi)`."""
+    HKV, GROUP, SQ, SK, OFFSET, QueryLo, QueryHi = walk
+    if INTERVALS:
+        m_lo, full_lo, full_hi, m_hi = interval_walk(QueryLo, QueryHi, n0, SK, SQ, BN, BM)
+        n_steps = gl.maximum(gl.cdiv(m_hi - m_lo, BM), 0)
+    else:
+        m_lo, full_lo = key_tile_query_range(n0, SQ, SK, OFFSET, BM, BN, CAUSAL)
+        # (>= 0: a key tile no query sees has m_lo past SQ, and `//` truncates toward zero, so the count
+        # could come out negative; the writers' count of slot uses then went wrong, and with it the phase
+        # they wait for)
+        n_steps = gl.maximum(gl.cdiv(SQ - m_lo, BM), 0)
+        full_hi = m_lo + n_steps * BM
+    return m_lo, full_lo, full_hi, n_steps
+
+
+@gluon.jit
 def _key_tile(walk, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
               FUSED: gl.constexpr):
     """This program's keys and query walk: `(off_b, off_hk, g_lo, n_g, n0, m_lo, full_lo, full_hi, n_steps)`,
@@ -78,16 +97,7 @@ def _key_tile(walk, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr, IN
         n_g = GROUP
         # ascending: the longest causal walks start first
         n0 = gl.program_id(0) * BN
-    if INTERVALS:
-        m_lo, full_lo, full_hi, m_hi = interval_walk(QueryLo, QueryHi, n0, SK, SQ, BN, BM)
-        n_steps = gl.maximum(gl.cdiv(m_hi - m_lo, BM), 0)
-    else:
-        m_lo, full_lo = key_tile_query_range(n0, SQ, SK, OFFSET, BM, BN, CAUSAL)
-        # (>= 0: a key tile no query sees has m_lo past SQ, and `//` truncates toward zero, so the count
-        # could come out negative; the writers' count of slot uses then went wrong, and with it the phase
-        # they wait for)
-        n_steps = gl.maximum(gl.cdiv(SQ - m_lo, BM), 0)
-        full_hi = m_lo + n_steps * BM
+    m_lo, full_lo, full_hi, n_steps = _key_walk(n0, walk, BM, BN, CAUSAL, INTERVALS)
     return off_b, off_hk, g_lo, n_g, n0, m_lo, full_lo, full_hi, n_steps
 
 
@@ -141,36 +151,44 @@ def _dkdv_load(descs, smem, bars, walk, HEAD_D: gl.constexpr, CAUSAL: gl.constex
 
 @gluon.jit
 def _dq_write(dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, W: gl.constexpr, HEAD_D: gl.constexpr,
-              BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+              BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr):
     """A writer warp (FUSED; two of them, W = 0, 1, one per consumer warpgroup's slot): adds each dQ tile
     that consumer W computed into the float32 accumulator by TMA, then W's dk and dv, each in a fixed
     order so that the gradients are the same bit for bit from run to run. A query tile takes its dQ adds
-    by descending key tile (this one's turn: the number of key tiles above it that see the tile; Sem counts
-    the adds made to each query tile of each head); a kv head's 64 keys take their dk/dv adds by ascending
-    query head of the group (KvSem). Each add completes before its turn passes on. (Two writers give each
-    add two steps' time: a poll, an add and its completion in sequence may take longer than one step at
-    head dim 64; not measured apart from the other changes of its version, benchmarks/NOTES.md.)"""
+    by descending key tile: where the key tile above this one walks the query tile too, this one waits
+    until it has added (Sem, per query tile of each head: the highest `n_kt - key tile` that has added);
+    a kv head's 64 keys take their dk/dv adds by ascending query head of the group (KvSem). Each add
+    completes before its turn passes on. (Two writers give each add two steps' time: a poll, an add and
+    its completion in sequence may take longer than one step at head dim 64; not measured apart from the
+    other changes of its version, benchmarks/NOTES.md.)
+
+    The key tiles that walk a query tile are consecutive wherever the walks' bounds do not decrease from
+    one key tile to the next: causal and dense blocks, windows and documents (monotone intervals), so the
+    order is the descending one. Other intervals (the kernel takes any) still never wait on a key tile
+    that does not walk the tile, so nothing hangs: their dq is the same sum with its adds in an order that
+    may change from run to run."""
     kv_ready, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_full, dq_empty = bars
     HKV, GROUP, SQ, SK, OFFSET, QueryLo, QueryHi = walk
-    off_b, off_hk, g_lo, n_g, n0, m_lo, full_lo, full_hi, n_steps = _key_tile(walk, BM, BN, CAUSAL, False, True)
+    off_b, off_hk, g_lo, n_g, n0, m_lo, full_lo, full_hi, n_steps = _key_tile(walk, BM, BN, CAUSAL, INTERVALS,
+                                                                               True)
     n_qt = gl.cdiv(SQ, BM)
-    last_key_tile = gl.cdiv(SK, BN) - 1
+    n_kt = gl.cdiv(SK, BN)
+    kt = n0 // BN
+    # the query tiles that the key tile above walks: it adds to them before this one does
+    above_lo, _, _, above_steps = _key_walk(n0 + BN, walk, BM, BN, CAUSAL, INTERVALS)
+    above_hi = gl.where(kt + 1 < n_kt, above_lo + above_steps * BM, above_lo)
     for it in range(W, n_steps * n_g, 2):
         off_h = off_hk * GROUP + g_lo + it // n_steps
         m0 = m_lo + (it % n_steps) * BM
-        if CAUSAL:
-            # the last key tile that sees this query tile (all before it see it too)
-            above = gl.minimum(gl.cdiv(m0 + BM + OFFSET, BN) - 1, last_key_tile)
-        else:
-            above = last_key_tile
         sem = Sem + (off_b * (HKV * GROUP) + off_h) * n_qt + m0 // BM
-        wait_turn(sem, above - n0 // BN)
+        if (m0 >= above_lo) & (m0 < above_hi):
+            wait_turn(sem, n_kt - kt - 1)
         mbarrier.wait(dq_full.index(W), (it // 2) & 1)
         tma_add_from_smem(DQ, [off_b * SQ + m0, off_h * HEAD_D], dq_smem.index(W))
-        pass_turn(sem)
+        pass_turn(sem, n_kt - kt)
         mbarrier.arrive(dq_empty.index(W), count=1)
     uses = (n_steps * n_g - W + 1) // 2
-    kv_sem = KvSem + ((off_b * HKV + off_hk) * (last_key_tile + 1) + n0 // BN) * 2 + W
+    kv_sem = KvSem + ((off_b * HKV + off_hk) * n_kt + kt) * 2 + W
     r = off_b * SK + n0 + W * 64
     wait_turn(kv_sem, g_lo)
     mbarrier.wait(dq_full.index(W), uses & 1)
@@ -179,7 +197,7 @@ def _dq_write(dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, W: gl.constexpr, HEAD
     mbarrier.arrive(dq_empty.index(W), count=1)
     mbarrier.wait(dq_full.index(W), (uses + 1) & 1)
     tma_add_from_smem(DV, [r, off_hk * HEAD_D], dq_smem.index(W))
-    pass_turn(kv_sem)
+    pass_turn(kv_sem, g_lo + 1)
 
 
 @gluon.jit
@@ -364,7 +382,7 @@ def _attn_bwd_dkdv_hopper_kernel(
     of 64 rows, Q/dO boxes of BLOCK_M). Delta shares Lse's strides; DK/DV are float32 accumulators. With
     INTERVALS (then not CAUSAL), key `j` is seen by the queries `[QueryLo[j], QueryHi[j])` (int32 `[SK]`);
     otherwise QueryLo/QueryHi are None. With ROW_TMA, `lse_desc`/`delta_desc` index Lse/Delta as
-    `[B * H, SQ]` rows (boxes of `[1, BLOCK_M]`); else they are unused. With FUSED (dense blocks, REDUCE),
+    `[B * H, SQ]` rows (boxes of `[1, BLOCK_M]`); else they are unused. With FUSED (REDUCE),
     dq is added too: DQ a descriptor over the float32 `[B * SQ, H * HEAD_D]` accumulator (boxes of
     `[BLOCK_M, HEAD_D]`, DK's and DV's layout), Sem and KvSem int32 zeros `[B * H, cdiv(SQ, BLOCK_M)]` and
     `[B * HKV, cdiv(SK, BLOCK_N), 2]`, and the grid `(cdiv(SK, BLOCK_N), B * H)`: one query head per program."""
@@ -378,11 +396,6 @@ def _attn_bwd_dkdv_hopper_kernel(
     lse_smem = gl.allocate_shared_memory(gl.float32, [ROW_SLOTS] + lse_desc.block_type.shape, lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [ROW_SLOTS] + delta_desc.block_type.shape,
                                            delta_desc.layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -432,8 +445,10 @@ def _attn_bwd_dkdv_hopper_kernel(
             (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, 1,
                              HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED, DQ_HALVES)),
             (_dkdv_load, (descs, smem, bars, walk, HEAD_D, CAUSAL, INTERVALS, ROW_TMA, FUSED)),
-            (_dq_write, (dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, 0, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL)),
-            (_dq_write, (dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, 1, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL)),
+            (_dq_write, (dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, 0, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL,
+                         INTERVALS)),
+            (_dq_write, (dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, 1, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL,
+                         INTERVALS)),
         ), [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
     else:
         gl.warp_specialize((
@@ -454,10 +469,10 @@ def hopper_dkdv_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout:
     return tma_rows_apply(q, k, v, dout)
 
 
-def hopper_fuses_dq(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor, *, masked: bool) -> bool:
-    """Whether `hopper_dkdv` adds dq too: dense blocks (causal or not, any offset: key tiles no query sees
-    take no step and add nothing) and accumulators that TMA indexes."""
-    return not masked and all(tma_indexable(t) for t in (dq_acc, dk_acc, dv_acc))
+def hopper_fuses_dq(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> bool:
+    """Whether `hopper_dkdv` adds dq too: where TMA indexes the three float32 accumulators (dense blocks,
+    causal or not, and interval masks)."""
+    return all(tma_indexable(t) for t in (dq_acc, dk_acc, dv_acc))
 
 
 def hopper_dkdv(
@@ -481,7 +496,7 @@ def hopper_dkdv(
     reduce = tma_indexable(dk_acc) and tma_indexable(dv_acc)
     fused = dq_acc is not None
     bm = BLOCK_M if block_m is None else block_m
-    assert not fused or (reduce and bm == 64 and query_lo is None)
+    assert not fused or (reduce and bm == 64)
     sk, hkv = k.shape[1], k.shape[2]
     if b > 1 and (sq % bm or (reduce and sk % BLOCK_N)):
         # the descriptors see the batch as one [b * s] matrix: a partial last query tile would read the next

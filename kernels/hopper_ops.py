@@ -1,6 +1,6 @@
 """Gluon operations the Hopper kernels need that Triton 3.6 does not wrap for sm_90: TMA reduce-adds (from
 registers or from shared memory) and the turns that put the adds of different programs to the same tile
-in a fixed order (a count in global memory that each program waits to reach, then raises), which keeps
+in a fixed order (an int32 in global memory that each program waits to reach, then raises), which keeps
 float32 sums bitwise reproducible.
 
 A turn waits only on programs started earlier: blocks start in grid order, so a program may wait on a
@@ -34,21 +34,22 @@ def tma_add_from_smem(desc, coord, src, _semantic=None):
 
 @gluon.jit
 def wait_turn(sem_ptr, turn):
-    """Spin until the int32 count at `sem_ptr` (adds made to a tile) reaches `turn` (acquire: what was added
-    before the count was raised is visible after)."""
+    """Spin until the int32 at `sem_ptr` is at least `turn` (acquire: what was added before it was raised
+    is visible after)."""
     seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [sem_ptr], dtype=gl.int32,
                                      is_pure=False, pack=1)
-    while seen != turn:
+    while seen < turn:
         seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [sem_ptr],
                                          dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
-def pass_turn(sem_ptr):
+def pass_turn(sem_ptr, turn):
     """Wait until this thread's TMA adds have completed (written, not only read from shared memory: the
-    next program's add must land after them), then count one more add at `sem_ptr` (one lane of the
-    calling warp, release). Call it from a one-warp partition, after the add."""
+    next program's add must land after them), then raise the int32 at `sem_ptr` to at least `turn` (one
+    lane of the calling warp, release; a maximum, so a turn never goes back). Call it from a one-warp
+    partition, after the add."""
     gl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .b32 l; cp.async.bulk.wait_group 0; bar.warp.sync -1; mov.u32 l, %laneid; "
-        "setp.eq.u32 p, l, 0; @p red.release.gpu.global.add.s32 [$1], 1; mov.u32 $0, 0; }",
-        "=r,l", [sem_ptr], dtype=gl.int32, is_pure=False, pack=1)
+        "setp.eq.u32 p, l, 0; @p red.release.gpu.global.max.s32 [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [sem_ptr, turn], dtype=gl.int32, is_pure=False, pack=1)

@@ -276,15 +276,15 @@ def test_backward_accumulates_into_views(dtype, causal, offsets, device):
     _check_backward_accumulates(q, k, v, causal, *offsets, poison_rest=False)
 
 
-def test_fused_dq_on_dense_blocks_whose_accumulators_tma_indexes():
-    """On sm_90 the Hopper kernel adds dq in the dk/dv pass for dense blocks (causal or not, any offset),
-    when TMA can index the float32 accumulators; masked blocks keep the dq kernel."""
+def test_fused_dq_where_tma_indexes_the_accumulators():
+    """On sm_90 the Hopper kernel adds dq in the dk/dv pass (dense blocks, causal or not, any offset, and
+    interval masks) when TMA can index the three float32 accumulators."""
     bwd_hopper = pytest.importorskip("ringlse.kernels.attention_bwd_hopper")
     dq, dk = torch.zeros(1, 777, 8, 128), torch.zeros(1, 1500, 8, 128)
     fuses = bwd_hopper.hopper_fuses_dq
-    assert fuses(dq, dk, dk, masked=False)
-    assert not fuses(dq, dk, dk, masked=True)
-    assert not fuses(dq, dk[:, :, :, :64], dk, masked=False)
+    assert fuses(dq, dk, dk)
+    assert not fuses(dq, dk[:, :, :, :64], dk)
+    assert not fuses(dq[..., :100], dk, dk)
 
 
 def test_backward_empty_block_is_noop(device):
