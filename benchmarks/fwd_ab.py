@@ -56,10 +56,13 @@ def main() -> None:
                     "'128:0,192:1' (block_m:persistent; 192 only at head dim 64)")
     ap.add_argument("--accum", action="store_true", help="the merging forward (float32 state)")
     ap.add_argument("--dense", action="store_true", help="only the dense blocks (no masked inputs)")
+    ap.add_argument("--also", action="append", default=[], help="another attention_fwd_hopper.py copy to time "
+                    "(repeatable; named by its file's stem)")
     args = ap.parse_args()
     from ringlse.kernels import attention_fwd_hopper as after
 
     before = load_module(args.before, "attention_fwd_hopper_before")
+    also = {os.path.splitext(os.path.basename(p))[0]: load_module(p, f"also_{i}") for i, p in enumerate(args.also)}
     rows = []
     for name, b, s, h, d, mask, pairs in all_cases(args.seqlen):
         if args.dense and not name.startswith("dense"):
@@ -68,7 +71,7 @@ def main() -> None:
         outs = {}
         fns = {}
         state = (torch.randn(b, s, h, d, device="cuda"), torch.randn(b, h, s, device="cuda"))
-        for side, mod in (("before", before), ("after", after)):
+        for side, mod in (("before", before), ("after", after), *also.items()):
             o = state[0].clone() if args.accum else torch.empty_like(q)
             lse = state[1].clone() if args.accum else torch.empty(b, h, s, dtype=torch.float32, device="cuda")
 

@@ -39,6 +39,12 @@ from ringlse.kernels.attention_common import interval_tile_range, query_tile_key
 from ringlse.kernels.host import rows_view, tma_indexable
 from ringlse.kernels.merge_math import merge_finish, merge_fold
 
+# causal and interval blocks: the heads whose tiles go longest first together, at most 8 and as many as
+# have 16 MB of K/V (a third of the L2): against a head at a time, d 64 causal S 8K x1.03, d 128 x1.02 (4
+# heads), while 8 heads of 16 MB each lost 4-5% (32K causal, 8K windows): fwd_ab_heads_at_once-NVIDIA_H200
+HEADS_AT_ONCE = 8
+KV_AT_ONCE = 16 << 20
+
 
 @gluon.jit
 def interval_walk(Lo, Hi, r0, ROWS_TOTAL, LIMIT, ROWS: gl.constexpr, BLOCK: gl.constexpr):
@@ -56,14 +62,20 @@ def interval_walk(Lo, Hi, r0, ROWS_TOTAL, LIMIT, ROWS: gl.constexpr, BLOCK: gl.c
 
 @gluon.jit
 def _tile_coords(t, walk, BLOCK_M: gl.constexpr, LONGEST_FIRST: gl.constexpr):
-    """Work tile `t`'s `(off_b, off_h, off_hk, m0)`. The query tiles of a head are consecutive, so the
-    programs in flight read the same K/V (from L2); causal and interval blocks go longest first, the short
-    tiles handed out last."""
-    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL = walk
-    bh = t // num_m
-    pid_m = t % num_m
+    """Work tile `t`'s `(off_b, off_h, off_hk, m0)`. Even tiles: a head's query tiles consecutive, so the
+    programs in flight read the same K/V (from L2). Causal and interval blocks: longest first across groups
+    of heads (the longest query tile of each head of the group, then the next ones), so the work handed
+    out last is short everywhere and few heads' K/V are read at a time."""
+    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL, LG_HEADS = walk
     if LONGEST_FIRST:
-        pid_m = num_m - 1 - pid_m
+        # groups of 2**LG_HEADS heads (a power of two that divides B * H: shifts, no division, no spills)
+        first = (t // num_m) >> LG_HEADS << LG_HEADS
+        r = t - first * num_m
+        bh = first + (r & ((1 << LG_HEADS) - 1))
+        pid_m = num_m - 1 - (r >> LG_HEADS)
+    else:
+        bh = t // num_m
+        pid_m = t % num_m
     off_h = bh % H
     return bh // H, off_h, off_h // GROUP, pid_m * BLOCK_M
 
@@ -73,7 +85,7 @@ def _work_tile(t, walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl
                INTERVALS: gl.constexpr):
     """Work tile `t`: `(off_b, off_h, off_hk, m0, n_lo, full_lo, full_hi, n_tiles)`: key tiles from `n_lo`,
     those inside `[full_lo, full_hi)` unmasked."""
-    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL = walk
+    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL, LG_HEADS = walk
     off_b, off_h, off_hk, m0 = _tile_coords(t, walk, BLOCK_M, CAUSAL or INTERVALS)
     if INTERVALS:
         n_lo, full_lo, full_hi, n_hi = interval_walk(KeyLo, KeyHi, m0, SQ, SK, BLOCK_M, BLOCK_N)
@@ -225,7 +237,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     q_smem, k_smem, v_smem = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls = strides
-    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL = walk
+    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL, LG_HEADS = walk
     t, n_lo, full_lo, full_hi, n_tiles = tile
     STAGES: gl.constexpr = k_smem.type.shape[0]
     Q_SLOTS: gl.constexpr = q_ready.type.shape[0]
@@ -375,7 +387,7 @@ def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale,
 def _attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, Out, Lse,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-    B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi, Counter,
+    B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi, Counter, LG_HEADS,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr,
     DYNAMIC: gl.constexpr, TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -419,7 +431,7 @@ def _attn_fwd_hopper_kernel(
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     strides = (stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls)
     descs = (q_desc, k_desc, v_desc)
-    walk = (num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, num_m * B * H)
+    walk = (num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, num_m * B * H, LG_HEADS)
     # (tuples built by `+` do not reach the partitions: every argument list is written out)
     if CONSUMERS == 2:
         gl.warp_specialize((
@@ -546,9 +558,20 @@ def hopper_forward(
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         b, h, h // hkv, sq, sk, offset, softmax_scale * 1.4426950408889634, key_lo, key_hi,
         torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse,
+        heads_log2(b * h, 2 * sk * d * k.element_size()),
         HEAD_D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, CAUSAL=causal, INTERVALS=intervals, ACCUM=accum,
         PERSISTENT=persistent, DYNAMIC=dynamic, TMA_STORE=tma_store, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg,
     )
+
+
+def heads_log2(heads: int, kv_bytes: int) -> int:
+    """log2 of the heads whose tiles go longest first together: the largest power of two that divides
+    `heads`, up to HEADS_AT_ONCE, whose K/V (`kv_bytes` a head) fit in KV_AT_ONCE."""
+    lg = 0
+    while (2 ** (lg + 1) <= HEADS_AT_ONCE and heads % 2 ** (lg + 1) == 0
+           and 2 ** (lg + 1) * kv_bytes <= KV_AT_ONCE):
+        lg += 1
+    return lg
 
 
 @functools.cache
