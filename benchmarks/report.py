@@ -32,7 +32,7 @@ def block_attention(d: dict) -> list[str]:
     fa4_head = " FA4 fwd | FA4 bwd |" if has_fa4 else ""
     lines = [f"**Block attention** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}; `{d['command']}`), "
              "bf16, TFLOP/s (ratio peer time / ours); merge: time of the forward merging into float32 "
-             "accumulators over the plain forward's:", "",
+             "accumulators over the plain forward's (timed in alternation, the better of two medians each):", "",
              f"| B×H/KV | S | d | causal | ours fwd | FA2 fwd | cuDNN fwd | ours bwd | FA2 bwd | cuDNN bwd |{fa4_head}"
              " merge |",
              "| --- " * (11 + 2 * has_fa4) + "|"]
