@@ -406,7 +406,28 @@ HEADLINE = (("ring-", headline_ring), ("error_growth", headline_error_growth), (
             ("lse_toolkit", headline_lse_toolkit), ("fa4-", headline_fa4), ("memory-", headline_memory))
 
 
+def _newest_ring_runs(files: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
+    """The ring files, each keeping only the ringlse implementations that no later run on the same GPUs
+    measured again (a later run of one backend supersedes that backend's rows of an earlier file; each
+    file keeps its own context-parallel rows, the peer its ratios were taken against)."""
+    rings = [(p, d) for p, d in files if p.name.startswith("ring-")]
+    newest: dict[tuple, str] = {}
+    for _, d in rings:
+        env = d["environment"]
+        for r in d["records"]:
+            key = (env["gpus"], env["gpu"], r["impl"])
+            newest[key] = max(newest.get(key, ""), env.get("date", ""))
+    out = []
+    for p, d in rings:
+        env = d["environment"]
+        keep = [r for r in d["records"] if not r["impl"].startswith("ringlse")
+                or env.get("date", "") == newest[(env["gpus"], env["gpu"], r["impl"])]]
+        out.append((p, {**d, "records": keep}))
+    return out
+
+
 def headline(files: list[tuple[Path, dict]]) -> list[str]:
+    files = [f for f in files if not f[0].name.startswith("ring-")] + _newest_ring_runs(files)
     rows = []
     for prefix, fn in HEADLINE:
         # the largest run first (ring: 4 GPUs before 2)
