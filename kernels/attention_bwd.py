@@ -456,6 +456,12 @@ def _backward_impl(
 # public functions
 
 
+def dq_with_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `attention_backward` adds dq in the dk/dv pass for these `[b, s, heads, d]` inputs (the
+    Hopper kernel; where TMA can also index the float32 accumulators given to it)."""
+    return hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, q)
+
+
 def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`rowsum(dout * out)` in float32.
 

@@ -112,6 +112,9 @@ class BlockOp:
     # computes a step's dk/dv in pieces of keys, each sent home while the next is built, and its dq
     # once (`ringlse.ring.backward`)
     split_backward: bool = False
+    # with split_backward: `(q, k, v) -> bool`, whether the backward adds dq in the same pass as dk/dv
+    # for these inputs; the ring then adds dq with each piece instead of in a second pass over the step
+    dq_with_dkdv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], bool] | None = None
 
     def compute_delta(self, dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.delta is not None:

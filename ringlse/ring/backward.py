@@ -22,7 +22,8 @@ from ringlse.ring.transport import DKV_TAG, held_blocks, own_kv
 # n / DKV_PIECES keys, each sent while the next is built: three pieces are alive at once (one being
 # built, one each way in flight) instead of three blocks' (issue 31's memory bound; NOTES.md). Their
 # dq is computed once per step, over all keys (pieces with their dq cost 8-10% at W = 2 on 2xH100,
-# without it 3-4%, `dkv_pieces-2xNVIDIA_H100_80GB_HBM3.json`).
+# without it 3-4%, `dkv_pieces-2xNVIDIA_H100_80GB_HBM3.json`), unless the op adds dq in its dk/dv pass
+# (`BlockOp.dq_with_dkdv`: the Hopper kernel), which costs nothing more piece by piece.
 DKV_PIECES = 4
 
 
@@ -137,6 +138,9 @@ def ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: 
     # cost 3-4% there (2xH100); cutting the calls of ops that return parts would add rounded dq parts
     # (their messages are often in the input dtype)
     split = op.split_backward and comm.world >= 3
+    # dq with each piece where the op adds it in its dk/dv pass (nothing computed twice); otherwise once
+    # per step, in a pass of its own
+    dq_per_piece = split and op.dq_with_dkdv is not None and op.dq_with_dkdv(q, k, v)
 
     def pieces(plan: Sequence[BlockCall]) -> list[list[BlockCall]]:
         """The calls whose messages travel together."""
@@ -153,7 +157,7 @@ def ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: 
         # by piece as ours go (both ends cut the same plan the same way, so messages pair in order)
         mine, theirs = pieces(plans[s]), pieces(peer_plans[s])
         for i in range(max(len(mine), len(theirs))):
-            sent = attend_remote(mine[i], kv, with_dq=not split) if i < len(mine) else []
+            sent = attend_remote(mine[i], kv, with_dq=not split or dq_per_piece) if i < len(mine) else []
             settle()  # the previous piece's transfers ran while this one was built
             received = [(c, *incoming(c)) for c in theirs[i]] if i < len(theirs) else []
             recvs = [t for _, dk_part, dv_part in received for t in (dk_part, dv_part)]
@@ -161,7 +165,7 @@ def ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: 
                                    DKV_TAG, step=s)
             in_flight = (works, sent, received)
             del works, sent, received, recvs  # in_flight holds them until settle frees them
-        if split:  # the last piece's messages travel meanwhile
+        if split and not dq_per_piece:  # the last piece's messages travel meanwhile
             remote_dq(plans[s], kv)
     attend_own(own_last)
     settle()
