@@ -56,6 +56,11 @@ def check_case(rank, world, case: dict) -> dict | None:
     backend = case.get("backend", "torch")
     if backend == "sdpa_cpu":  # the sdpa op's CPU kernels: the parts path of the ring without a GPU
         from ringlse.blocks.sdpa import SDPA_BLOCK_OP as backend
+    elif backend == "torch_dq_with_dkdv":  # the ring's path for ops that add dq in their dk/dv pass (Hopper)
+        import dataclasses
+
+        from ringlse.blocks.torch_math import TORCH_BLOCK_OP
+        backend = dataclasses.replace(TORCH_BLOCK_OP, dq_with_dkdv=lambda q, k, v: True)
     ours = ring_with_grads(q, k, v, dout, dlse, causal=case["causal"], layout=case["layout"], backend=backend,
                            non_contiguous=case.get("non_contiguous", False),
                            return_lse=case.get("return_lse", with_dlse))

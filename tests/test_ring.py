@@ -36,6 +36,10 @@ def _cases(world: int) -> list[dict]:
     for layout, causal in itertools.product(LAYOUTS, (False, True)):
         cases.append(dict(b=2, s=150 * world, h=2, hkv=1, d=16, dtype=torch.float64, causal=causal, layout=layout,
                           seed=6))
+    # the same pieces where the op adds dq in its dk/dv pass (the Hopper kernel): dq with every piece
+    for layout in ("zigzag", "stripe"):
+        cases.append(dict(b=1, s=150 * world, h=2, hkv=1, d=16, dtype=torch.float64, causal=True, layout=layout,
+                          seed=8, backend="torch_dq_with_dkdv"))
     return cases
 
 
