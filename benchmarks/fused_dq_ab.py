@@ -36,7 +36,7 @@ VARIANTS = {
     "noturn": [("            wait_turn(sem, n_kt - kt - 1)\n", "            pass\n")],
     "noadd": [("            wait_turn(sem, n_kt - kt - 1)\n", "            pass\n"),
               ("        tma_add_from_smem(DQ, [off_b * SQ + m0, off_h * HEAD_D], dq_smem.index(W))\n", ""),
-              ("        pass_turn(sem, n_kt - kt)\n", "")],
+              ("        pass_turn(sem, n_kt - kt)\n", "")],  # (edits of session 29's kernel)
 }
 
 
