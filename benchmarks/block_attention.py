@@ -259,6 +259,7 @@ def time_ours(b, h, s, d, causal, dtype=torch.bfloat16, fwd_cfg=None, bwd_cfg=No
     scale = d**-0.5
     res = {}
     outs = [F.attention_forward(q, k, v, softmax_scale=scale, causal=causal, q_start=0, k_start=0) for q, k, v, _ in sets]
+
     def fwd(i):
         F.attention_forward(sets[i][0], sets[i][1], sets[i][2], softmax_scale=scale, causal=causal, q_start=0,
                             k_start=0)
@@ -280,9 +281,10 @@ def time_ours(b, h, s, d, causal, dtype=torch.bfloat16, fwd_cfg=None, bwd_cfg=No
             F.attention_forward(sets[i][0], sets[i][1], sets[i][2], softmax_scale=scale, causal=causal, q_start=0,
                                 k_start=0, out_acc=acc, lse_acc=lacc)
 
-        # the merge's cost is a few percent, below the drift of clocks between two timings taken one after
-        # the other (1.06-1.12 at 8K d 128 that way, 0.99-1.01 in alternation: fwd_ab_accum_dense): timed in
-        # alternation with the plain forward, the better of two medians each
+        # the merge's cost is a few percent, near the drift of clocks between two timings taken one after
+        # the other: timed in alternation with the plain forward, the better of two medians each (this
+        # run's 8K d 128 causal row still read 1.066 where fwd_ab.py's alternated A/B reads 1.00-1.03 for
+        # the same kernels; NOTES.md, session 29)
         runs = {"fwd": [], "merge": []}
         for _ in range(2):
             runs["fwd"].append(_bench(fwd, n))
