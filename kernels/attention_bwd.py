@@ -457,9 +457,10 @@ def _backward_impl(
 
 
 def dq_with_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether `attention_backward` adds dq in the dk/dv pass for these `[b, s, heads, d]` inputs (the
-    Hopper kernel; where TMA can also index the float32 accumulators given to it)."""
-    return hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, q)
+    """Whether `attention_backward` adds dq in the dk/dv pass for these `[b, s, heads, d]` inputs and the
+    ring's accumulators (the Hopper kernel, where TMA indexes the float32 accumulators: the ring passes
+    row ranges of them, which TMA indexes as rows for one batch element only)."""
+    return q.shape[0] == 1 and hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, q)
 
 
 def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
