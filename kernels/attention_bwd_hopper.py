@@ -542,8 +542,8 @@ def hopper_dkdv(
         accs = [TensorDescriptor(t, *rows_view(t), [64, d], layout) for t in accs]
         if fused:
             accs.append(TensorDescriptor(dq_acc, *rows_view(dq_acc), [64, d], layout))
-            # the count of adds made to each query tile's dq and each key tile half's dk/dv: the turns that
-            # keep their order fixed
+            # the turns that keep the adds' order fixed: per query tile's dq, the highest `n_kt - key tile`
+            # that has added; per key tile half's dk/dv, the query heads that have added
             n_dq = b * h * triton.cdiv(sq, bm)
             sem = torch.zeros(n_dq + b * hkv * n_kt * 2, dtype=torch.int32, device=q.device)
             sems = [sem[:n_dq], sem[n_dq:]]
