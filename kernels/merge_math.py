@@ -88,4 +88,6 @@ def merge_lse(m, t, BASE2: tl.constexpr):
 def merge_finish(m, t, acc, BASE2: tl.constexpr):
     """`(lse, out)` of the running state `(m, t, acc)`: `(-inf, 0)` where nothing was folded in."""
     lse, t_safe = merge_lse(m, t, BASE2)
-    return lse, acc / t_safe[:, None]
+    # one reciprocal per row, then products: `acc / t` compiles to a reciprocal per element
+    # (`div.full.f32`, on the quarter-rate MUFU unit: ~0.5 us of a 128 x 128 tile's epilogue)
+    return lse, acc * (1.0 / t_safe)[:, None]
