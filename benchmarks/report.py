@@ -122,6 +122,21 @@ def merge(d: dict) -> list[str]:
     return lines
 
 
+def merge_probe(d: dict) -> list[str]:
+    """benchmarks/merge_probe.py: the merging forward's time over the plain one's, two ways."""
+    lines = [f"**The merging forward's cost** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}; "
+             f"`{d['command']}`), bf16, time with the in-kernel merge / time without (the best of three alternated "
+             "medians each):", "",
+             "| B×H (kv) | S | d | causal | public call | launcher | persistent | one program per tile |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in d["rows"]:
+        lines.append(f"| {r['batch']}×{r['heads']} ({r['kv_heads']}) | {r['seqlen']} | {r['head_dim']} | "
+                     f"{'yes' if r['causal'] else 'no'} | {_fmt(r['public_merge_ratio'], '.3f')} | "
+                     f"{_fmt(r['launcher_merge_ratio'], '.3f')} | {_fmt(r.get('merge_persistent_ratio'), '.3f')} | "
+                     f"{_fmt(r.get('merge_per_tile_ratio'), '.3f')} |")
+    return lines
+
+
 def lse_toolkit(d: dict) -> list[str]:
     lines = [f"**LSE toolkit** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}); device copy "
              f"{d['copy_GBps']:.0f} GB/s; speedups are vs `torch.softmax` / `torch.log_softmax` / "
@@ -447,7 +462,7 @@ SECTIONS = (("block_attention", "Block attention", block_attention), ("error_gro
             ("host_time", "Host time per call", host_time), ("lse_toolkit", "LSE toolkit", lse_toolkit),
             ("masked_attention", "Masked block attention (windows, packed documents)", masked_attention),
             ("masked_probe", "Masked kernels apart", masked_probe),
-            ("merge", "Fused merge", merge), ("ring", "Ring attention", ring))
+            ("merge_probe", "The merging forward's cost", merge_probe), ("merge", "Fused merge", merge), ("ring", "Ring attention", ring))
 
 
 def load(results: Path) -> list[tuple[Path, dict]]:
