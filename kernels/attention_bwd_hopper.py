@@ -46,7 +46,7 @@ from ringlse.kernels.hopper_ops import pass_turn, tma_add, tma_add_from_smem, wa
 from ringlse.kernels.host import rows_view, tma_indexable
 
 BLOCK_N = 128  # keys per program (64 per consumer warpgroup)
-# queries per step: 64 (at head dim 128 ptxas spills 20-104 bytes, dk, dv, S^T, dP^T, P^T and dS^T
+# queries per step: 64 (at head dim 128 ptxas spilled 20-104 bytes, dk, dv, S^T, dP^T, P^T and dS^T
 # exceeding a consumer's 240 registers, yet 64-query steps ran 1.16-1.28x faster than 32 without
 # spills, non-causal, and the same causal: H200, benchmarks/NOTES.md)
 BLOCK_M = 64
@@ -280,9 +280,12 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
             # rows that see nothing anywhere (lse -inf; past SQ, loaded here): lse -> +inf makes P exactly 0
             lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
             mbarrier.wait(do_ready.index(s), ph)
-            dpt = warpgroup_mma(v_rows, do_buf.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             if ROW_TMA:
                 delta = delta_smem.index(s).reshape([BM]).load(col_layout)
+            # dP^T - delta: the accumulator starts at -delta (its registers are the MMA's anyway, and delta's
+            # are free before P^T): ptxas spilled 232 B at head dim 128 under intervals, 68 B causal, now
+            # 100 and 0; masked x1.02-1.07, dense x1.00-1.04 (fused_dq_ab*_delta_init, benchmarks/NOTES.md)
+            dpt = warpgroup_mma(v_rows, do_buf.permute((1, 0)), st_zero - delta[None, :], is_async=True)
             # P^T while dP^T is still on the tensor cores
             st, _, _ = warpgroup_mma_wait(1, deps=[st, k_rows, q_buf])
             pt = gl.exp2(st * qk_scale - lse2[None, :])
@@ -295,7 +298,7 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
             # dV += P^T dO goes to the tensor cores before dP^T is waited for (groups retire in order)
             dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_buf, dv, is_async=True)
             dpt, _, _ = warpgroup_mma_wait(1, deps=[dpt, v_rows, do_buf])
-            dst = pt * (dpt - delta[None, :])
+            dst = pt * dpt
             if FUSED:
                 # this warpgroup's half of dS^T to its slot of the step's pair (the dQ warpgroup of two
                 # steps ago has read it)
