@@ -137,6 +137,19 @@ def merge_probe(d: dict) -> list[str]:
     return lines
 
 
+def interval_cost_probe(d: dict) -> list[str]:
+    """benchmarks/interval_cost_probe.py: a dense causal block through the causal and the interval kernels."""
+    names = list(d["rows"][0]["tflops"])
+    lines = [f"**Dense causal blocks through the interval kernels** ({d['gpu']}, torch {d['torch']}, triton "
+             f"{d['triton']}; `{d['command']}`), b1 h32 d128 bf16, TFLOP/s (\"bwd intervals X\": the interval "
+             "kernel with X taken out, timing only):", "",
+             "| kernel | " + " | ".join(f"S {r['seqlen']}" for r in d["rows"]) + " |",
+             "| --- | " + " | ".join("---" for _ in d["rows"]) + " |"]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(f"{r['tflops'][name]:.1f}" for r in d["rows"]) + " |")
+    return lines
+
+
 def lse_toolkit(d: dict) -> list[str]:
     lines = [f"**LSE toolkit** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}); device copy "
              f"{d['copy_GBps']:.0f} GB/s; speedups are vs `torch.softmax` / `torch.log_softmax` / "
@@ -460,6 +473,7 @@ def headline(files: list[tuple[Path, dict]]) -> list[str]:
 
 SECTIONS = (("block_attention", "Block attention", block_attention), ("error_growth", "Error growth with the world size", error_growth),
             ("host_time", "Host time per call", host_time), ("lse_toolkit", "LSE toolkit", lse_toolkit),
+            ("interval_cost_probe", "What the interval path costs", interval_cost_probe),
             ("masked_attention", "Masked block attention (windows, packed documents)", masked_attention),
             ("masked_probe", "Masked kernels apart", masked_probe),
             ("merge_probe", "The merging forward's cost", merge_probe), ("merge", "Fused merge", merge), ("ring", "Ring attention", ring))
