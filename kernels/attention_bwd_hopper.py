@@ -3,8 +3,9 @@ producer warp, WGMMA in two consumer warpgroups, gradients added into the float3
 
 Same contract and numerics as `attention_bwd`'s kernels (P recomputed from the global lse, rows whose lse
 is -inf contribute 0, `dV += P^T dO`, `dK += scale * dS^T Q`, `dQ += scale * dS K` with
-`dS = P * (dO V^T - delta)`), for bf16/fp16, head dims 64 and 128, dense, causal or interval-masked blocks
-(windows, packed documents); `attention_bwd`'s launcher routes here on sm_90.
+`dS = P * (dO V^T - delta)`, delta subtracted inside the `dO V^T` MMA's sum here), for bf16/fp16, head
+dims 64 and 128, dense, causal or interval-masked blocks (windows, packed documents); `attention_bwd`'s
+launcher routes here on sm_90.
 
 Structure: one program owns `BLOCK_N = 128` keys of one kv head (K and V loaded once, 64 keys per
 consumer warpgroup) and walks the query tiles that can see them, of every query head of its GQA group
@@ -284,7 +285,9 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
                 delta = delta_smem.index(s).reshape([BM]).load(col_layout)
             # dP^T - delta: the accumulator starts at -delta (its registers are the MMA's anyway, and delta's
             # are free before P^T): ptxas spilled 232 B at head dim 128 under intervals, 68 B causal, now
-            # 100 and 0; masked x1.02-1.07, dense x1.00-1.04 (fused_dq_ab*_delta_init, benchmarks/NOTES.md)
+            # 100 and 0; masked x1.02-1.07, dense x1.00-1.04 (fused_dq_ab*_delta_init, benchmarks/NOTES.md).
+            # dS^T's last bits, and so some of its bf16 roundings, differ from the Triton kernels' (they
+            # subtract after): gradients within 1e-3 of max |dq| of theirs, no longer bit for bit
             dpt = warpgroup_mma(v_rows, do_buf.permute((1, 0)), st_zero - delta[None, :], is_async=True)
             # P^T while dP^T is still on the tensor cores
             st, _, _ = warpgroup_mma_wait(1, deps=[st, k_rows, q_buf])
