@@ -48,11 +48,11 @@ def _edits(src: str, waits: bool) -> str:
     def at(slot: int, value: str = CLOCK) -> str:
         return f"gl.store(Tl + {PROG} * {SLOTS} + {slot}, {value})"
 
-    def timed(line: str, acc: str, indent: str) -> str:
+    def wait_sum(line: str, acc: str) -> None:
         """`line` (one statement) with its cycles added to `acc` (32-bit: differences wrap right)."""
-        if not waits:
-            return line
-        return f"{indent}t_w = {CLOCK32}\n{line}{indent}{acc} += {CLOCK32} - t_w\n"
+        if waits:
+            indent = line[:len(line) - len(line.lstrip())]
+            sub(line, f"{indent}t_w = {CLOCK32}\n{line}{indent}{acc} += {CLOCK32} - t_w\n")
 
     sub("HKV, GROUP, SQ, SK, OFFSET, QueryLo, QueryHi = walk", "HKV, GROUP, SQ, SK, OFFSET, QueryLo, QueryHi, Tl = walk",
         5)
@@ -71,14 +71,10 @@ def _edits(src: str, waits: bool) -> str:
     sub("    mbarrier.wait(kv_ready, 0)\n    it = 0\n",
         f"    mbarrier.wait(kv_ready, 0)\n    it = 0\n    if WG == 0:\n        {at(1)}\n"
         f"    w_ready = {ZERO}\n    w_slot = {ZERO}\n    w_ds = {ZERO}\n")
-    sub("            mbarrier.wait(q_ready.index(s), ph)\n",
-        timed("            mbarrier.wait(q_ready.index(s), ph)\n", "w_ready", "            "))
-    sub("            mbarrier.wait(do_ready.index(s), ph)\n",
-        timed("            mbarrier.wait(do_ready.index(s), ph)\n", "w_ready", "            "))
-    sub("                mbarrier.wait(ds_ready.index(s), ds_phase)\n",
-        timed("                mbarrier.wait(ds_ready.index(s), ds_phase)\n", "w_ds", "                "))
-    sub("                mbarrier.wait(dq_empty.index(s), ds_phase ^ 1)\n",
-        timed("                mbarrier.wait(dq_empty.index(s), ds_phase ^ 1)\n", "w_slot", "                "))
+    wait_sum("            mbarrier.wait(q_ready.index(s), ph)\n", "w_ready")
+    wait_sum("            mbarrier.wait(do_ready.index(s), ph)\n", "w_ready")
+    wait_sum("                mbarrier.wait(ds_ready.index(s), ds_phase)\n", "w_ds")
+    wait_sum("                mbarrier.wait(dq_empty.index(s), ds_phase ^ 1)\n", "w_slot")
     sub("                    mbarrier.arrive(dq_full.index(WG), count=1)\n            it += 1\n",
         "                    mbarrier.arrive(dq_full.index(WG), count=1)\n"
         f"            if WG == 0:\n                if it == 0:\n                    {at(2)}\n            it += 1\n")
@@ -91,10 +87,8 @@ def _edits(src: str, waits: bool) -> str:
     # writers: turn waits, waits for a full slot, end
     sub("    for it in range(W, n_steps * n_g, 2):\n",
         f"    w_turn = {ZERO}\n    w_full = {ZERO}\n    for it in range(W, n_steps * n_g, 2):\n")
-    sub("            wait_turn(sem, n_kt - kt - 1)\n",
-        timed("            wait_turn(sem, n_kt - kt - 1)\n", "w_turn", "            "))
-    sub("        mbarrier.wait(dq_full.index(W), (it // 2) & 1)\n",
-        timed("        mbarrier.wait(dq_full.index(W), (it // 2) & 1)\n", "w_full", "        "))
+    wait_sum("            wait_turn(sem, n_kt - kt - 1)\n", "w_turn")
+    wait_sum("        mbarrier.wait(dq_full.index(W), (it // 2) & 1)\n", "w_full")
     sub("        # kernel's end completes the add)\n        tma.store_wait(0)\n",
         "        # kernel's end completes the add)\n        tma.store_wait(0)\n"
         f"    if W == 0:\n        {at(5)}\n        {at(8, 'w_turn.to(gl.int64)')}\n        {at(13, 'w_full.to(gl.int64)')}\n"
