@@ -1,7 +1,7 @@
 """Hopper (sm_90) backward kernel in Gluon: dk/dv, and dq in the same pass. TMA loads by a
 producer warp, WGMMA in two consumer warpgroups, gradients added into the float32 accumulators by TMA.
 
-Same contract and numerics as `attention_bwd`'s kernels (P recomputed from the global lse, rows whose lse
+Same contract and formulas as `attention_bwd`'s kernels (P recomputed from the global lse, rows whose lse
 is -inf contribute 0, `dV += P^T dO`, `dK += scale * dS^T Q`, `dQ += scale * dS K` with
 `dS = P * (dO V^T - delta)`, delta subtracted inside the `dO V^T` MMA's sum here), for bf16/fp16, head
 dims 64 and 128, dense, causal or interval-masked blocks (windows, packed documents); `attention_bwd`'s
