@@ -63,22 +63,29 @@ def tile_visible(offs_m, offs_n, n_ok, row_lo, row_hi, OFFSET, CAUSAL: tl.conste
 
 
 @triton.jit
-def softmax_step(qk, m_i, qk_scale, visible, MASKED: tl.constexpr):
+def softmax_step(qk, m_i, qk_scale, visible, MASKED: tl.constexpr, LAZY: tl.constexpr):
     """One key tile's online-softmax step in base 2 on the raw scores `qk` `[M, N]`: `(p, m_new, alpha)`,
     `alpha` the factor of the running sums. Masked tiles keep the `visible` pairs; unmasked ones need
-    `qk_scale > 0` (the launchers make it so)."""
+    `qk_scale > 0` (the launchers make it so). LAZY keeps a row's max unless the tile's exceeds it by more
+    than 8 (p <= 2**8: exact in float32, finite in bf16/fp16), so that `alpha` is exactly 1 for most rows
+    and tiles and the caller may skip rescaling its accumulator where it is 1 for every row."""
     if MASKED:
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
+    else:
+        # every key here is visible, so m_new is finite, and scale > 0 gives max(qk) * scale ==
+        # max(qk * scale): the scaling fuses into one FMA
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    if LAZY:
+        # (a row that has seen nothing keeps -inf: -inf > -inf + 8 is false)
+        m_new = tl.where(m_new > m_i + 8.0, m_new, m_i)
+    if MASKED:
         # a row that has seen no key yet keeps max -inf: subtract 0 instead so that exp2(-inf - -inf)
         # never makes a NaN (its p and alpha come out 0)
         m_sub = merge_shift(m_new)
         p = tl.math.exp2(qk - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
     else:
-        # every key here is visible, so m_new is finite, and scale > 0 gives max(qk) * scale ==
-        # max(qk * scale): the scaling fuses into one FMA
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
     return p, m_new, alpha

@@ -100,7 +100,7 @@ def _fwd_tiles(
             kt = tl.load(kt_ptrs)
         qk = tl.dot(q, kt, input_precision=DOT_PREC)
         visible = tile_visible(offs_m, offs_n, n_ok, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS) if MASKED else None
-        p, m_new, alpha = softmax_step(qk, m_i, qk_scale, visible, MASKED)
+        p, m_new, alpha = softmax_step(qk, m_i, qk_scale, visible, MASKED, False)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if MASKED:

@@ -11,7 +11,8 @@ Structure (FlashAttention-3's): a program owns `BLOCK_M` (128 or 192) query rows
 consumer warpgroup per 64 rows and one loader warp. The loader brings Q and the K/V tiles through a ring
 of `STAGES` shared-memory slots, each guarded by a "ready" mbarrier (TMA bytes landed) and an "empty" one
 (the consumers are done reading). Consumers issue `S = Q K^T` from shared memory, do the online softmax
-in registers and issue `O += P V` with P straight from registers, each at its own pace; O leaves
+in registers and issue `O += P V` with P straight from registers, each at its own pace (a row's max moves
+only when it grows by more than 8 in base 2, so most key tiles skip rescaling O); O leaves
 through shared memory and a TMA store (128-row tiles). Programs take one work tile each, or run
 persistently (`CONFIGS`: measured per head dim and mask): even tiles round-robin, uneven ones (interval
 masks) taken from a global counter by the loader as it goes, which publishes each tile's walk to the
@@ -146,7 +147,7 @@ def _load_tile(descs, smem, bars, info, t, it, count, walk,
     with the tile before last's, then K and V tile by tile, a slot reused once the consumers released it.
     Returns the ring position after it."""
     q_desc, k_desc, v_desc = descs
-    q_smem, k_smem, v_smem = smem
+    q_smem, k_smem, v_smem, _ = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     SQ = walk[3]
     SK = walk[4]
@@ -214,15 +215,15 @@ def _fwd_load(descs, smem, bars, info, walk,
 
 @gluon.jit
 def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, OFFSET, qk_scale, row_lo, row_hi,
-                  CAUSAL: gl.constexpr, INTERVALS: gl.constexpr):
+                  CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, LAZY: gl.constexpr):
     """One key tile's online-softmax step in base 2: `(p, m_new, l_new, alpha)`; the tile is masked unless
     it lies inside `[full_lo, full_hi)`."""
     if (start_n < full_lo) | (start_n + qk.shape[1] > full_hi):
         offs_n = start_n + offs_n0
         visible = tile_visible(offs_m, offs_n, offs_n < SK, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS)
-        p, m_new, alpha = softmax_step(qk, m_i, qk_scale, visible, True)
+        p, m_new, alpha = softmax_step(qk, m_i, qk_scale, visible, True, LAZY)
     else:
-        p, m_new, alpha = softmax_step(qk, m_i, qk_scale, None, False)
+        p, m_new, alpha = softmax_step(qk, m_i, qk_scale, None, False, LAZY)
     return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
 
@@ -234,7 +235,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     `count`-th of its program, its first K/V tile the `it`-th through the ring): its 64 query rows (the
     `WG`-th slice) through every key tile, then its own epilogue (the running state folded in with ACCUM;
     O through its Q rows' shared memory and a TMA store with TMA_STORE). Returns the ring position after it."""
-    q_smem, k_smem, v_smem = smem
+    q_smem, k_smem, v_smem, flag_smem = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls = strides
     num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL, LG_HEADS = walk
@@ -243,6 +244,12 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     Q_SLOTS: gl.constexpr = q_ready.type.shape[0]
     CONSUMERS: gl.constexpr = q_smem.type.shape[0] // Q_SLOTS
     ROWS: gl.constexpr = q_smem.type.shape[1]
+    # lazy maxima (FlashAttention-4's conditional rescaling) in 128-row tiles: x1.004-1.020 on H200, 64
+    # documents of 512 x0.991 (fwd_ab_lazy_rescale_interleaved-NVIDIA_H200.json); 192-row tiles (head dim
+    # 64) spill 56 B more with them (ptxas), so they rescale every key tile
+    LAZY: gl.constexpr = CONSUMERS == 2
+    flags = flag_smem.index(WG)
+    flag_layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -282,7 +289,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
         qk, _, _ = warpgroup_mma_wait(0, deps=[qk, q_rows, k_buf])
         mbarrier.arrive(k_empty.index(s), count=1)
         p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, n_lo, full_lo, full_hi, SK, OFFSET,
-                                           qk_scale, row_lo, row_hi, CAUSAL, INTERVALS)
+                                           qk_scale, row_lo, row_hi, CAUSAL, INTERVALS, LAZY)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for i in range(1, n_tiles):
             s = (it + i) % STAGES
@@ -295,11 +302,22 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
             acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
             qk, _, _ = warpgroup_mma_wait(1, deps=[qk, q_rows, k_buf])
             mbarrier.arrive(k_empty.index(s), count=1)
+            m_old = m_i
             p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, n_lo + i * BLOCK_N, full_lo, full_hi,
-                                               SK, OFFSET, qk_scale, row_lo, row_hi, CAUSAL, INTERVALS)
+                                               SK, OFFSET, qk_scale, row_lo, row_hi, CAUSAL, INTERVALS, LAZY)
+            if LAZY:
+                # alpha is 1 in every row whose max stayed: most tiles skip the rescaling, a branch the
+                # warpgroup must take as one. Each warp's verdict on its 16 rows goes through shared
+                # memory, published by the V slot's release (a reduction over the warpgroup's 64 rows
+                # cost a third barrier: x0.95-1.01, fwd_ab_lazy_rescale_reduce-NVIDIA_H200.json)
+                flags.store(gl.max(gl.reshape((m_i != m_old).to(gl.int32), [4, ROWS // 4]), 1))
             acc, _ = warpgroup_mma_wait(0, deps=[acc, v_buf])
             mbarrier.arrive(v_empty.index(sp), count=1)
-            acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
+            if LAZY:
+                if gl.max(flags.load(flag_layout), 0) > 0:
+                    acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
+            else:
+                acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         if not TMA_STORE:
             # every S of this work tile is done: the loader may bring a later tile's Q
@@ -426,7 +444,9 @@ def _attn_fwd_hopper_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
-    smem = (q_smem, k_smem, v_smem)
+    # each consumer warpgroup's 4 warps' verdicts: did a row's max move (lazy maxima, `_consume_tile`)
+    flag_smem = gl.allocate_shared_memory(gl.int32, [CONSUMERS, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    smem = (q_smem, k_smem, v_smem, flag_smem)
     info = (info_smem, info_ready, info_empty)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     strides = (stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls)

@@ -119,6 +119,27 @@ def test_merge_into_state(d, causal, offsets):
     _judge(q, k, v, causal, *offsets, out, lse, state=(torch.where(state_o.isnan(), 0.0, state_o), state_l))
 
 
+@pytest.mark.parametrize("ramp", ["slow-climb", "jumps", "falling"])
+@pytest.mark.parametrize("d,config", [(128, None), (64, hopper.HopperConfig(128, True)),
+                                      (64, hopper.HopperConfig(128, False))],
+                         ids=["d128-table", "d64-m128-persistent", "d64-m128"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_lazy_maxima(ramp, d, config, causal):
+    # 128-row tiles keep a row's max until a key tile's exceeds it by more than 8 (base 2): scores that
+    # climb by less than that per key tile (the max goes stale for a few tiles, then moves), that jump by
+    # far more within a tile, or that fall after the first tile (the max never moves)
+    q, k, v = _draw(1, 1500, 1500, 4, 2, d, torch.float16, seed=31)
+    pos = torch.arange(1500, device="cuda", dtype=torch.float32)
+    score = {"slow-climb": 60 * pos / 1500, "jumps": 25 * (pos // 300), "falling": -60 * pos / 1500}[ramp]
+    q = q * 0.05
+    q[..., 0] = 1.0
+    k = k * 0.05
+    # q.k * scale = score (natural-log units; x 1.44 in base 2) plus noise
+    k[..., 0] = (score / d**-0.5)[None, :, None].to(k.dtype)
+    out, lse = _run(q, k, v, causal, 0, 0, config=config)
+    _judge(q, k, v, causal, 0, 0, out, lse)
+
+
 def test_same_error_as_the_triton_kernel():
     # both kernels judged on one input: the Hopper one within the bound the Triton one meets
     q, k, v = _draw(1, 4096, 4096, 8, 2, 128, torch.bfloat16, seed=22)
