@@ -2,8 +2,7 @@
 `kernels/attention_fwd_hopper.py`, e.g. `git show REV:kernels/attention_fwd_hopper.py > FILE`) against the
 installed one, on masked_attention.py's inputs (b1 h32 d128 bf16, S 32K; the plain causal batches with the
 same pairs) and issue 32's dense blocks (d 64 and 128, causal and not). The two (and any `--variants`
-of the installed kernel) are timed in alternation, twice over (the better of each one's two medians), and
-their outputs compared. With `--accum`, the in-kernel merge into a float32 running state (the ring's
+of the installed kernel) are timed with their launches interleaved (medians), and their outputs compared. With `--accum`, the in-kernel merge into a float32 running state (the ring's
 forward; both sides from the same state), and the installed kernel's plain forward as variant "plain".
 
 Usage (on a GPU): python benchmarks/fwd_ab.py --before FILE [--out DIR] [--seqlen S] [--accum] [--dense]
@@ -19,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from block_attention import _bench, save_result  # noqa: E402
+from block_attention import interleaved_ms, save_result  # noqa: E402
 from masked_probe import cases  # noqa: E402
 
 
@@ -109,22 +108,18 @@ def max_diff(x: tuple[torch.Tensor, ...], y: tuple[torch.Tensor, ...]) -> float:
 
 
 def ab_row(row: dict, fns: dict, outs: dict, flop: float) -> dict:
-    """Time `fns` ("before", "after", then any variants) in alternation, twice over (clocks drift over a
-    run: the better of each one's two medians), and add their times, TFLOP/s (`flop` per call), speedups
-    over "before" and output differences to `row`; prints it."""
+    """Time `fns` ("before", "after", then any variants) with their launches interleaved
+    (`interleaved_ms`), and add their median times, TFLOP/s (`flop` per call), speedups over "before" and
+    output differences to `row`; prints it."""
     torch.cuda.synchronize()
-    ms = {side: [] for side in fns}
-    for _ in range(2):
-        for side in fns:
-            ms[side].append(_bench(fns[side], 1))
-    row.update(max_abs_diff=max_diff(outs["before"], outs["after"]), before_ms=min(ms["before"]),
-               after_ms=min(ms["after"]), before_ms_runs=ms["before"], after_ms_runs=ms["after"])
+    ms = interleaved_ms(fns)
+    row.update(max_abs_diff=max_diff(outs["before"], outs["after"]), before_ms=ms["before"], after_ms=ms["after"])
     row["before_tflops"] = flop / row["before_ms"] / 1e9
     row["after_tflops"] = flop / row["after_ms"] / 1e9
     row["speedup"] = row["before_ms"] / row["after_ms"]
     for var in [x for x in fns if x not in ("before", "after")]:
         row[f"variant_{var}_diff"] = max_diff(outs["before"], outs[var])
-        row[f"variant_{var}_ms"] = min(ms[var])
+        row[f"variant_{var}_ms"] = ms[var]
         row[f"variant_{var}_speedup"] = row["before_ms"] / row[f"variant_{var}_ms"]
     print(f"{row['input']:<34} diff {row['max_abs_diff']:.3g}  before {row['before_tflops']:6.1f}  after "
           f"{row['after_tflops']:6.1f}  x{row['speedup']:.3f}" + "".join(

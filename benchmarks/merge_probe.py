@@ -4,7 +4,7 @@ through the public call (`attention_forward` with and without `out_acc`/`lse_acc
 `block_attention.py` times it, the state starting at `(0, -inf)`) and through the Hopper launcher
 directly (as `fwd_ab.py --accum` does, a random state), plus the merging forward under the other
 launch configurations (persistent programs taking tiles from a counter; one program per tile).
-Every function is timed in alternation, three times over, the best median of each kept.
+Every function is timed with the launches interleaved (`block_attention.interleaved_ms`), medians.
 
 Usage (on a GPU): python benchmarks/merge_probe.py [--out DIR]
 """
@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from block_attention import _bench, save_result  # noqa: E402
+from block_attention import interleaved_ms, save_result  # noqa: E402
 
 # (batch, heads, kv heads, seqlen, head dim, causal): block_attention's rows where the ratio is largest
 SHAPES = ((2, 16, 16, 4096, 128, True), (2, 16, 16, 8192, 128, True), (2, 16, 16, 8192, 128, False),
@@ -49,15 +49,8 @@ def probe(b: int, h: int, hkv: int, s: int, d: int, causal: bool) -> dict:
                                                               config=H.HopperConfig(128, True))
         fns["merge_per_tile"] = lambda _i: H.hopper_forward(q, k, v, *states["per_tile"], **direct, accum=True,
                                                             config=H.HopperConfig(128, False))
-    for fn in fns.values():
-        fn(0)
-    torch.cuda.synchronize()
-    ms = {name: [] for name in fns}
-    for _ in range(3):
-        for name, fn in fns.items():
-            ms[name].append(_bench(fn, 1))
-    best = {name: min(x) for name, x in ms.items()}
-    row = dict(batch=b, heads=h, kv_heads=hkv, seqlen=s, head_dim=d, causal=causal, ms_runs=ms, ms=best,
+    best = interleaved_ms(fns)
+    row = dict(batch=b, heads=h, kv_heads=hkv, seqlen=s, head_dim=d, causal=causal, ms=best,
                public_merge_ratio=best["public_merge"] / best["public_plain"],
                launcher_merge_ratio=best["launcher_merge"] / best["launcher_plain"])
     for name in ("merge_persistent", "merge_per_tile"):

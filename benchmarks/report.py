@@ -125,8 +125,8 @@ def merge(d: dict) -> list[str]:
 def merge_probe(d: dict) -> list[str]:
     """benchmarks/merge_probe.py: the merging forward's time over the plain one's, two ways."""
     lines = [f"**The merging forward's cost** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}; "
-             f"`{d['command']}`), bf16, time with the in-kernel merge / time without (the best of three alternated "
-             "medians each):", "",
+             f"`{d['command']}`), bf16, time with the in-kernel merge / time without (medians, the launches "
+             "interleaved; files before session 32: the best of three alternated medians):", "",
              "| B×H (kv) | S | d | causal | public call | launcher | persistent | one program per tile |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in d["rows"]:
