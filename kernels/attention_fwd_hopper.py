@@ -307,9 +307,10 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
                                                SK, OFFSET, qk_scale, row_lo, row_hi, CAUSAL, INTERVALS, LAZY)
             if LAZY:
                 # alpha is 1 in every row whose max stayed: most tiles skip the rescaling, a branch the
-                # warpgroup must take as one. Each warp's verdict on its 16 rows goes through shared
-                # memory, published by the V slot's release (a reduction over the warpgroup's 64 rows
-                # cost a third barrier: x0.95-1.01, fwd_ab_lazy_rescale_reduce-NVIDIA_H200.json)
+                # warpgroup must take as one. Each warp reduces its own 16 rows (shuffles only) and its
+                # verdict goes through shared memory, read after the V slot's release (the compiler adds
+                # two barriers a key tile; a reduction over the warpgroup's 64 rows cost three: x0.95-1.01,
+                # fwd_ab_lazy_rescale_reduce-NVIDIA_H200.json)
                 flags.store(gl.max(gl.reshape((m_i != m_old).to(gl.int32), [4, ROWS // 4]), 1))
             acc, _ = warpgroup_mma_wait(0, deps=[acc, v_buf])
             mbarrier.arrive(v_empty.index(sp), count=1)
