@@ -236,7 +236,9 @@ def interleaved_ms(fns: dict, budget_s: float = 3.0, max_rounds: int = 200) -> d
     """Median ms of each of `fns` (name -> `fn(i)`), their launches interleaved A B C A B C ..., each
     timed by its own CUDA events after an L2 flush (as `do_bench` does for one function). Timing the
     sides in turn, one `do_bench` each, let identical kernels differ by up to 3% (the GPU's clock drifts
-    over seconds); interleaved, the drift hits every side alike. Rounds: as many as fit `budget_s`."""
+    over seconds); interleaved, the drift hits every side alike (A/A: x0.999-1.001). For kernels of
+    similar power draw (A/B of one kernel's versions): a light kernel right after a heavy one starts at
+    the clock the heavy one left (masked_attention.py times apart). Rounds: as many as fit `budget_s`."""
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     for fn in fns.values():
         fn(0)

@@ -2,8 +2,9 @@
 `kernels/attention_fwd_hopper.py`, e.g. `git show REV:kernels/attention_fwd_hopper.py > FILE`) against the
 installed one, on masked_attention.py's inputs (b1 h32 d128 bf16, S 32K; the plain causal batches with the
 same pairs) and issue 32's dense blocks (d 64 and 128, causal and not). The two (and any `--variants`
-of the installed kernel) are timed with their launches interleaved (medians), and their outputs compared. With `--accum`, the in-kernel merge into a float32 running state (the ring's
-forward; both sides from the same state), and the installed kernel's plain forward as variant "plain".
+of the installed kernel) are timed with their launches interleaved (medians), and their outputs compared.
+With `--accum`, the in-kernel merge into a float32 running state (the ring's forward; both sides from the
+same state), and the installed kernel's plain forward as variant "plain".
 
 Usage (on a GPU): python benchmarks/fwd_ab.py --before FILE [--out DIR] [--seqlen S] [--accum] [--dense]
 """
