@@ -63,7 +63,13 @@ def ours_calls(q, k, v, rule: Rule):
             a.zero_()
         op.backward(dout, q, k, v, out, lse, delta, softmax_scale=scale, **block, dq_acc=acc[0], dk_acc=acc[1],
                     dv_acc=acc[2])
-    return (lambda _i: op.forward(q, k, v, softmax_scale=scale, **block)), bwd, (lambda _i: [a.zero_() for a in acc]), iv_ms
+    def fwd(_i):
+        op.forward(q, k, v, softmax_scale=scale, **block)
+
+    def zero(_i):
+        for a in acc:
+            a.zero_()
+    return fwd, bwd, zero, iv_ms
 
 
 def time_ours(q, k, v, rule: Rule, dense) -> tuple[float, float, float, float, float]:
