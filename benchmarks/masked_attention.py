@@ -3,12 +3,15 @@
 bf16, batch 1, 32 heads, head dim 128, S = 32K, causal. Inputs: dense causal; 8 documents of 4K; 64
 of 512; log-uniform document lengths in [256, 8K]; windows of 1K, 4K, 8K. Ours: the `triton` block op
 with the mask's per-row intervals (computed once, on the GPU, as `ringlse.masks.block_intervals`
-does for every call; their cost is timed apart); dense causal through the plain causal path. Peer,
-with --flex: PyTorch's FlexAttention (compiled, block mask) on the same inputs, in the same process.
+does for every call; their cost is timed apart); dense causal through the plain causal path. Peers,
+in the same process on the same inputs: with --flex, PyTorch's FlexAttention (compiled, block mask);
+with --fa4, FlashAttention-4 (`flash_attn.cute`: windows as `window_size`, documents through
+`flash_attn_varlen_func`), timed as ours are, with its own masked/dense ratios (issue 28's bar for 64
+short documents and the 1K window is ours at least FA4's ratio).
 FLOPs: 4 * B * H * D * visible pairs (forward), 2.5x that (backward). Times: triton.testing.do_bench
 medians, our dense causal block timed again next to each input (the ratios to it).
 
-Usage: python3 benchmarks/masked_attention.py [--out DIR] [--flex] [--seqlen S]
+Usage: python3 benchmarks/masked_attention.py [--out DIR] [--flex] [--fa4] [--seqlen S]
     writes DIR/masked_attention-<gpu>.json and .png
 """
 
@@ -116,6 +119,48 @@ def time_flex(q, k, v, rule: Rule):
     return fwd_ms, bwd_ms
 
 
+def steady_ms(fn) -> float:
+    """The median of three `do_bench` medians, each after 250 ms of warm-up (`time_ours`' method)."""
+    return sorted(do_bench(fn, warmup=250, return_mode="median") for _ in range(3))[1]
+
+
+def time_fa4(q, k, v, rule: Rule) -> tuple[float, float]:
+    """`(fwd_ms, bwd_ms)` of FlashAttention-4 under `rule`: causal with `window_size=(left, 0)`, documents
+    as varlen (`[total, h, d]`, `cu_seqlens`); the backward through autograd (`out.backward`)."""
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    scale = q.shape[-1] ** -0.5
+    if rule.docs is not None:
+        cu = torch.tensor(rule.docs, dtype=torch.int32, device=q.device)
+        longest = max(b - a for a, b in zip(rule.docs, rule.docs[1:]))
+        qt, kt, vt = (x[0].detach().requires_grad_() for x in (q, k, v))
+
+        def call():
+            return flash_attn_varlen_func(qt, kt, vt, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                          max_seqlen_k=longest, softmax_scale=scale, causal=True)
+    else:
+        qt, kt, vt = (x.detach().requires_grad_() for x in (q, k, v))
+        window = (rule.window[0] if rule.window[0] >= 0 else None, 0 if rule.window[0] >= 0 else None)
+
+        def call():
+            return flash_attn_func(qt, kt, vt, softmax_scale=scale, causal=True, window_size=window)
+
+    def first(x):
+        return x[0] if isinstance(x, tuple) else x
+
+    with torch.no_grad():
+        fwd_ms = steady_ms(call)
+    out = first(call())
+    dout = torch.randn_like(out)
+
+    def fwd_bwd():
+        for t in (qt, kt, vt):
+            t.grad = None
+        first(call()).backward(dout)
+
+    return fwd_ms, steady_ms(fwd_bwd) - fwd_ms
+
+
 def visible_pairs(rule: Rule, s: int) -> int:
     return int(visible_per_position(rule, s).sum())
 
@@ -125,6 +170,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--seqlen", type=int, default=32768)
     ap.add_argument("--flex", action="store_true", help="also time FlexAttention (compiled) on the same inputs")
+    ap.add_argument("--fa4", action="store_true", help="also time FlashAttention-4 on the same inputs")
     args = ap.parse_args()
     b, h, d, s = 1, 32, 128, args.seqlen
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -150,19 +196,33 @@ def main() -> None:
                            flex_bwd_tflops=2.5 * flop / fbwd / 1e9)
             except Exception as e:  # a peer that fails is recorded, not fatal
                 row.update(flex_error=str(e).splitlines()[0][:200])
+        if args.fa4:
+            try:
+                afwd, abwd = time_fa4(q, k, v, rule)
+                row.update(fa4_fwd_ms=afwd, fa4_bwd_ms=abwd, fa4_fwd_tflops=flop / afwd / 1e9,
+                           fa4_bwd_tflops=2.5 * flop / abwd / 1e9)
+            except Exception as e:  # a peer that fails is recorded, not fatal
+                row.update(fa4_error=str(e).splitlines()[0][:200])
         rows.append(row)
         print(f"{name:<30} fwd {row['ours_fwd_tflops']:6.1f} bwd {row['ours_bwd_tflops']:6.1f} TFLOP/s, "
               f"x dense {row['fwd_vs_own_dense']:.3f} / {row['bwd_vs_own_dense']:.3f} (intervals {iv:.3f} ms)" + (f" | flex fwd {row['flex_fwd_tflops']:6.1f} bwd {row['flex_bwd_tflops']:6.1f}"
-                                            if "flex_fwd_tflops" in row else ""), flush=True)
+                                            if "flex_fwd_tflops" in row else "")
+              + (f" | fa4 fwd {row['fa4_fwd_tflops']:6.1f} bwd {row['fa4_bwd_tflops']:6.1f}" if "fa4_fwd_tflops" in row
+                 else (f" | fa4: {row['fa4_error']}" if "fa4_error" in row else "")), flush=True)
     dense = rows[0]
     for row in rows:
+        if "fa4_fwd_tflops" in row and "fa4_fwd_tflops" in dense:
+            # FA4's own masked/dense ratios, from its dense causal row of this run
+            row["fa4_fwd_vs_fa4_dense"] = row["fa4_fwd_tflops"] / dense["fa4_fwd_tflops"]
+            row["fa4_bwd_vs_fa4_dense"] = row["fa4_bwd_tflops"] / dense["fa4_bwd_tflops"]
         if "flex_fwd_tflops" in row and "flex_fwd_tflops" in dense:
             row["fwd_vs_flex"] = row["ours_fwd_tflops"] / row["flex_fwd_tflops"]
             row["bwd_vs_flex"] = row["ours_bwd_tflops"] / row["flex_bwd_tflops"]
     gpu = torch.cuda.get_device_name()
     import triton
     result = dict(benchmark="masked_attention", gpu=gpu, torch=torch.__version__, triton=triton.__version__,
-                  command="python3 benchmarks/masked_attention.py" + (" --flex" if args.flex else ""),
+                  command="python3 benchmarks/masked_attention.py" + (" --flex" if args.flex else "")
+                  + (" --fa4" if args.fa4 else ""),
                   date=time.strftime("%Y-%m-%dT%H:%M:%S"), shape=dict(batch=b, heads=h, head_dim=d, seqlen=s),
                   dtype="bfloat16", flops="4*B*H*D*visible pairs; backward 2.5x", rows=rows)
     os.makedirs(args.out, exist_ok=True)

@@ -58,11 +58,19 @@ def masked_attention(d: dict) -> list[str]:
              "visible pairs, ours through per-row intervals; ratio to our own dense causal figure:", "",
              "| input | ours fwd | ours bwd | fwd / dense | bwd / dense | FlexAttention fwd | FlexAttention bwd | intervals ms |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    has_fa4 = any("fa4_fwd_tflops" in r for r in d["rows"])
+    if has_fa4:
+        lines[-2] = lines[-2][:-len(" intervals ms |")] + " FA4 fwd | FA4 bwd | FA4 fwd / FA4 dense | FA4 bwd / FA4 dense | intervals ms |"
+        lines[-1] += " --- | --- | --- | --- |"
     for r in d["rows"]:
         flex = (f"{r['flex_fwd_tflops']:.0f} | {r['flex_bwd_tflops']:.0f}" if "flex_fwd_tflops" in r
                 else "– | –")
+        fa4 = ""
+        if has_fa4:
+            fa4 = (f" {r['fa4_fwd_tflops']:.0f} | {r['fa4_bwd_tflops']:.0f} | {_fmt(r.get('fa4_fwd_vs_fa4_dense'), '.2f')} | "
+                   f"{_fmt(r.get('fa4_bwd_vs_fa4_dense'), '.2f')} |" if "fa4_fwd_tflops" in r else " – | – | – | – |")
         lines.append(f"| {r['input']} | {r['ours_fwd_tflops']:.0f} | {r['ours_bwd_tflops']:.0f} | "
-                     f"{r['fwd_vs_own_dense']:.2f} | {r['bwd_vs_own_dense']:.2f} | {flex} | {r['intervals_ms']:.3f} |")
+                     f"{r['fwd_vs_own_dense']:.2f} | {r['bwd_vs_own_dense']:.2f} | {flex} |{fa4} {r['intervals_ms']:.3f} |")
     return lines
 
 
@@ -326,6 +334,10 @@ def headline_masked_attention(path: Path, d: dict) -> list[list[str]]:
     if flex:
         text += (f"; vs FlexAttention on the same inputs: fwd {_range([r['fwd_vs_flex'] for r in flex])}, "
                  f"bwd {_range([r['bwd_vs_flex'] for r in flex])}")
+    fa4 = [r for r in shown if "fa4_fwd_vs_fa4_dense" in r]
+    if fa4:
+        text += "; FA4's own ratios in the same run: " + "; ".join(
+            f"{r['input']} {r['fa4_fwd_vs_fa4_dense']:.2f}/{r['fa4_bwd_vs_fa4_dense']:.2f}" for r in fa4)
     return [[f"windows and packed documents, `triton` backend, fwd/bwd TFLOP/s over visible pairs relative to our "
              f"dense causal ({rows['dense causal']['ours_fwd_tflops']:.0f}/{rows['dense causal']['ours_bwd_tflops']:.0f}), "
              f"one {d['gpu'].replace('NVIDIA ', '')}, S {_k(d['shape']['seqlen'])}", text, _src(path)]]
