@@ -232,38 +232,6 @@ def _bench(fn, n_sets: int) -> float:
     return triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
 
 
-def interleaved_ms(fns: dict, budget_s: float = 3.0, max_rounds: int = 200) -> dict[str, float]:
-    """Median ms of each of `fns` (name -> `fn(i)`), their launches interleaved A B C A B C ..., each
-    timed by its own CUDA events after an L2 flush (as `do_bench` does for one function). Timing the
-    sides in turn, one `do_bench` each, let identical kernels differ by up to 3% (the GPU's clock drifts
-    over seconds); interleaved, the drift hits every side alike (A/A: x0.999-1.001). For kernels of
-    similar power draw (A/B of one kernel's versions): a light kernel right after a heavy one starts at
-    the clock the heavy one left (masked_attention.py times apart). Rounds: as many as fit `budget_s`."""
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    for fn in fns.values():
-        fn(0)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for fn in fns.values():
-        fn(0)
-    torch.cuda.synchronize()
-    rounds = max(10, min(max_rounds, int(budget_s / max(time.perf_counter() - t0, 1e-6))))
-    names = list(fns)
-    events = {name: [] for name in names}
-    for r in range(rounds):
-        for j in range(len(names)):
-            # the order rotates every round: no side always follows the same one
-            name = names[(r + j) % len(names)]
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fns[name](r)
-            end.record()
-            events[name].append((start, end))
-    torch.cuda.synchronize()
-    return {name: float(torch.tensor([s.elapsed_time(e) for s, e in ev]).median()) for name, ev in events.items()}
-
-
 def _make_sets(b, h, s, d, dtype, n_sets, device="cuda", hkv=None):
     sets = []
     hkv = h if hkv is None else hkv

@@ -8,9 +8,9 @@ exactly the work of a batch of eight 4K causal blocks. This times, in one proces
 - `batch causal`: the causal kernels over the `[8, 4K]` view;
 - `batch intervals`: the interval kernels over the same view, causal intervals;
 - the same for 64 documents of 512, and the dense causal 32K block the masked ratios divide by.
-FLOPs over visible pairs, as `masked_attention.py` counts them. Times: each call by `do_bench`
-(250 ms warm-up), three rounds, the median (as `masked_attention.py`); then the forward sides again
-with launches interleaved (`block_attention.interleaved_ms`: similar kernels, one power state).
+FLOPs over visible pairs, as `masked_attention.py` counts them. Times: `timing.abba_ms` (each side
+after 500 ms of it alone, in order then in reverse, the mean), as `masked_attention.py`; then the
+forward sides again with launches interleaved (`timing.interleaved_ms`).
 
 Usage: python3 benchmarks/docs_geometry_probe.py [--out DIR]
 """
@@ -25,13 +25,12 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
 
 import ringlse
 from ringlse.masks import Rule, Span, block_intervals
 
 sys.path.insert(0, os.path.dirname(__file__))
-from block_attention import interleaved_ms  # noqa: E402
+from timing import abba_ms, interleaved_ms  # noqa: E402
 from ringlse.kernels.attention_fwd_hopper import HopperConfig, hopper_forward  # noqa: E402
 
 
@@ -72,10 +71,6 @@ def calls(q, k, v, rule: Rule | None, causal: bool, config: HopperConfig | None 
     return fwd, bwd
 
 
-def sequential_ms(fn) -> float:
-    return sorted(do_bench(lambda: fn(0), warmup=250, return_mode="median") for _ in range(3))[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
@@ -98,8 +93,11 @@ def main() -> None:
             "batch intervals": calls(*view, Rule(True), False),
             "dense causal 32K": dense,
         }
-        fwd_ms = {name: sequential_ms(f) for name, (f, _) in sides.items()}
-        bwd_ms = {name: sequential_ms(b) for name, (_, b) in sides.items() if b is not None}
+        fns = {f"{name}/fwd": (lambda f=f: f(0)) for name, (f, _) in sides.items()}
+        fns.update({f"{name}/bwd": (lambda b=b: b(0)) for name, (_, b) in sides.items() if b is not None})
+        ms = {key: sum(r) / 2 for key, r in abba_ms(fns).items()}
+        fwd_ms = {name: ms[f"{name}/fwd"] for name in sides}
+        bwd_ms = {name: ms[f"{name}/bwd"] for name in sides if f"{name}/bwd" in ms}
         inter = interleaved_ms({name: f for name, (f, _) in sides.items()})
         for name in sides:
             fl = dense_flop if name.startswith("dense") else flop

@@ -19,7 +19,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from block_attention import interleaved_ms, save_result  # noqa: E402
+from block_attention import save_result  # noqa: E402
+from timing import interleaved_ms  # noqa: E402
 from masked_probe import cases  # noqa: E402
 
 

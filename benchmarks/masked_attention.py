@@ -8,8 +8,11 @@ in the same process on the same inputs: with --flex, PyTorch's FlexAttention (co
 with --fa4, FlashAttention-4 (`flash_attn.cute`: windows as `window_size`, documents through
 `flash_attn_varlen_func`), timed as ours are, with its own masked/dense ratios (issue 28's bar for 64
 short documents and the 1K window is ours at least FA4's ratio).
-FLOPs: 4 * B * H * D * visible pairs (forward), 2.5x that (backward). Times: triton.testing.do_bench
-medians, our dense causal block timed again next to each input (the ratios to it).
+FLOPs: 4 * B * H * D * visible pairs (forward), 2.5x that (backward). Times (`timing.abba_ms`): each
+side `do_bench`'s median after 500 ms of it alone, the whole list timed in order and then in reverse, the
+mean of the two readings; the dense block is listed first and again last, and the two should agree.
+(Timed next to each input as before, the dense block read 0.89x of itself on an H100: the card slows as
+it warms, so whatever runs second reads slow.)
 
 Usage: python3 benchmarks/masked_attention.py [--out DIR] [--flex] [--fa4] [--seqlen S]
     writes DIR/masked_attention-<gpu>.json and .png
@@ -31,6 +34,7 @@ from ringlse.masks import Rule, Span, block_intervals
 
 sys.path.insert(0, os.path.dirname(__file__))
 from mask_balance import log_uniform_documents, visible_per_position  # noqa: E402
+from timing import abba_ms  # noqa: E402
 
 
 def inputs(s: int) -> dict[str, Rule]:
@@ -46,8 +50,8 @@ def inputs(s: int) -> dict[str, Rule]:
 
 
 def ours_calls(q, k, v, rule: Rule):
-    """`(fwd, bwd, zero, intervals_ms)`: our forward and backward under `rule` as calls of one argument
-    (the timers' form), the accumulators' zeroing that `bwd` includes, and the intervals' time."""
+    """`(fwd, bwd, zero, intervals_ms)`: our forward and backward under `rule` as calls of no argument,
+    the accumulators' zeroing that `bwd` includes, and the intervals' time."""
     op = ringlse.get_block_op("triton", q.device, q.dtype, masked=True)
     s = q.shape[1]
     if rule.plain:
@@ -61,39 +65,24 @@ def ours_calls(q, k, v, rule: Rule):
     delta = op.compute_delta(dout, out)
     acc = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)]
 
-    def bwd(_i):
+    def bwd():
         for a in acc:
             a.zero_()
         op.backward(dout, q, k, v, out, lse, delta, softmax_scale=scale, **block, dq_acc=acc[0], dk_acc=acc[1],
                     dv_acc=acc[2])
-    def fwd(_i):
+
+    def fwd():
         op.forward(q, k, v, softmax_scale=scale, **block)
 
-    def zero(_i):
+    def zero():
         for a in acc:
             a.zero_()
     return fwd, bwd, zero, iv_ms
 
 
-def time_ours(q, k, v, rule: Rule, dense) -> tuple[float, float, float, float, float]:
-    """`(fwd_ms, bwd_ms, dense_fwd_ms, dense_bwd_ms, intervals_ms)`: the block under `rule` and the dense
-    causal one (`dense`: `ours_calls`' first three) timed next to it, each by `do_bench` on its own (a
-    kernel in its own steady state, as the peers' figures were measured). The dense block timed once at
-    the start let the ratios move by ~0.02 from run to run; launches interleaved with it lowered the masked
-    ratios by 0.01-0.04 more (each kernel then starts in the power state the other left; session 32)."""
-    fwd, bwd, zero, iv_ms = ours_calls(q, k, v, rule)
-    runs = {"dense_fwd": [], "fwd": [], "dense_bwd": [], "bwd": [], "zero": []}
-    for _ in range(3):
-        # three rounds, the median of each one's three medians (a single round's backward moved by up to 5%)
-        for name, fn in zip(runs, (dense[0], fwd, dense[1], bwd, zero)):
-            # a warm-up long enough for the clock to settle at this kernel's own power draw: after 300 ms of
-            # the dense backward, a window's backward read 7% slower with do_bench's 25 ms (session 32)
-            runs[name].append(do_bench(lambda fn=fn: fn(0), warmup=250, return_mode="median"))
-    ms = {name: sorted(x)[1] for name, x in runs.items()}
-    return (ms["fwd"], ms["bwd"] - ms["zero"], ms["dense_fwd"], ms["dense_bwd"] - ms["zero"], iv_ms)
-
-
-def time_flex(q, k, v, rule: Rule):
+def flex_calls(q, k, v, rule: Rule):
+    """`(fwd, bwd)`: PyTorch's FlexAttention (compiled, block mask) under `rule`, calls of no argument
+    (the backward replays the graph of one forward)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     s = q.shape[1]
@@ -112,21 +101,16 @@ def time_flex(q, k, v, rule: Rule):
     bm = create_block_mask(mask_mod, None, None, s, s, device=q.device)
     flex = torch.compile(flex_attention, dynamic=False)
     qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
-    fwd_ms = do_bench(lambda: flex(qt, kt, vt, block_mask=bm), return_mode="median")
     o = flex(qt, kt, vt, block_mask=bm)
     g = torch.randn_like(o)
-    bwd_ms = do_bench(lambda: torch.autograd.grad(o, (qt, kt, vt), g, retain_graph=True), return_mode="median")
-    return fwd_ms, bwd_ms
+    return (lambda: flex(qt, kt, vt, block_mask=bm),
+            lambda: torch.autograd.grad(o, (qt, kt, vt), g, retain_graph=True))
 
 
-def steady_ms(fn) -> float:
-    """The median of three `do_bench` medians, each after 250 ms of warm-up (`time_ours`' method)."""
-    return sorted(do_bench(fn, warmup=250, return_mode="median") for _ in range(3))[1]
-
-
-def time_fa4(q, k, v, rule: Rule) -> tuple[float, float]:
-    """`(fwd_ms, bwd_ms)` of FlashAttention-4 under `rule`: causal with `window_size=(left, 0)`, documents
-    as varlen (`[total, h, d]`, `cu_seqlens`); the backward through autograd (`out.backward`)."""
+def fa4_calls(q, k, v, rule: Rule):
+    """`(fwd, fwd_bwd)`: FlashAttention-4 under `rule` as calls of no argument: causal with
+    `window_size=(left, 0)`, documents as varlen (`[total, h, d]`, `cu_seqlens`); the backward through
+    autograd (`out.backward`), so it is timed with its forward."""
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
     scale = q.shape[-1] ** -0.5
@@ -148,17 +132,19 @@ def time_fa4(q, k, v, rule: Rule) -> tuple[float, float]:
     def first(x):
         return x[0] if isinstance(x, tuple) else x
 
-    with torch.no_grad():
-        fwd_ms = steady_ms(call)
     out = first(call())
     dout = torch.randn_like(out)
+
+    def fwd():
+        with torch.no_grad():
+            call()
 
     def fwd_bwd():
         for t in (qt, kt, vt):
             t.grad = None
         first(call()).backward(dout)
 
-    return fwd_ms, steady_ms(fwd_bwd) - fwd_ms
+    return fwd, fwd_bwd
 
 
 def visible_pairs(rule: Rule, s: int) -> int:
@@ -175,56 +161,77 @@ def main() -> None:
     b, h, d, s = 1, 32, 128, args.seqlen
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    rules = inputs(s)
+    # every side of every input as a call of no argument: `name/side -> fn`; the peers' failures are kept
+    calls, ivs, errors = {}, {}, {}
+    for name, rule in rules.items():
+        fwd, bwd, zero, ivs[name] = ours_calls(q, k, v, rule)
+        calls.update({f"{name}/ours fwd": fwd, f"{name}/ours bwd": bwd, f"{name}/zero": zero})
+        for peer, make, flag in (("flex", flex_calls, args.flex), ("fa4", fa4_calls, args.fa4)):
+            if flag:
+                try:
+                    pf, pb = make(q, k, v, rule)
+                    pf(), pb()
+                    calls.update({f"{name}/{peer} fwd": pf, f"{name}/{peer} bwd": pb})
+                except Exception as e:  # a peer that fails is recorded, not fatal
+                    errors[(name, peer)] = str(e).splitlines()[0][:200]
+    # the dense block once more, last: after ABBA it should read as the first one (the method's check)
+    calls["dense causal, again/ours fwd"], calls["dense causal, again/ours bwd"] = (calls["dense causal/ours fwd"],
+                                                                                 calls["dense causal/ours bwd"])
+    readings = abba_ms(calls)
+    ms = {key: (a + b) / 2 for key, (a, b) in readings.items()}
     rows = []
-    dense_rule = inputs(s)["dense causal"]
-    dense = ours_calls(q, k, v, dense_rule)[:3]
-    dense_flop = 4 * b * h * d * visible_pairs(dense_rule, s)
-    for name, rule in inputs(s).items():
+    for name, rule in rules.items():
         pairs = visible_pairs(rule, s)
         flop = 4 * b * h * d * pairs
-        fwd, bwd, dense_fwd, dense_bwd, iv = time_ours(q, k, v, rule, dense)
+        fwd, bwd = ms[f"{name}/ours fwd"], ms[f"{name}/ours bwd"] - ms[f"{name}/zero"]
         row = dict(input=name, docs=len(rule.docs) - 1 if rule.docs else 1, window=rule.window, visible_pairs=pairs,
-                   ours_fwd_ms=fwd, ours_bwd_ms=bwd, intervals_ms=iv, ours_fwd_tflops=flop / fwd / 1e9,
+                   ours_fwd_ms=fwd, ours_bwd_ms=bwd, intervals_ms=ivs[name], ours_fwd_tflops=flop / fwd / 1e9,
                    ours_bwd_tflops=2.5 * flop / bwd / 1e9,
-                   # the ratios to our dense causal block, timed next to this one
-                   fwd_vs_own_dense=(flop / fwd) / (dense_flop / dense_fwd),
-                   bwd_vs_own_dense=(flop / bwd) / (dense_flop / dense_bwd))
-        if args.flex:
-            try:
-                ffwd, fbwd = time_flex(q, k, v, rule)
-                row.update(flex_fwd_ms=ffwd, flex_bwd_ms=fbwd, flex_fwd_tflops=flop / ffwd / 1e9,
-                           flex_bwd_tflops=2.5 * flop / fbwd / 1e9)
-            except Exception as e:  # a peer that fails is recorded, not fatal
-                row.update(flex_error=str(e).splitlines()[0][:200])
-        if args.fa4:
-            try:
-                afwd, abwd = time_fa4(q, k, v, rule)
-                row.update(fa4_fwd_ms=afwd, fa4_bwd_ms=abwd, fa4_fwd_tflops=flop / afwd / 1e9,
-                           fa4_bwd_tflops=2.5 * flop / abwd / 1e9)
-            except Exception as e:  # a peer that fails is recorded, not fatal
-                row.update(fa4_error=str(e).splitlines()[0][:200])
+                   # both readings of each side (in order, in reverse): how far the clock drifted
+                   readings_ms={key.split("/")[1]: v for key, v in readings.items() if key.split("/")[0] == name})
+        for peer in ("flex", "fa4"):
+            if f"{name}/{peer} fwd" in ms:
+                pf = ms[f"{name}/{peer} fwd"]
+                # FA4's backward runs through autograd with its forward: its time less the forward's
+                pb = ms[f"{name}/{peer} bwd"] - (pf if peer == "fa4" else 0.0)
+                row.update({f"{peer}_fwd_ms": pf, f"{peer}_bwd_ms": pb, f"{peer}_fwd_tflops": flop / pf / 1e9,
+                            f"{peer}_bwd_tflops": 2.5 * flop / pb / 1e9})
+            elif (name, peer) in errors:
+                row[f"{peer}_error"] = errors[(name, peer)]
         rows.append(row)
-        print(f"{name:<30} fwd {row['ours_fwd_tflops']:6.1f} bwd {row['ours_bwd_tflops']:6.1f} TFLOP/s, "
-              f"x dense {row['fwd_vs_own_dense']:.3f} / {row['bwd_vs_own_dense']:.3f} (intervals {iv:.3f} ms)" + (f" | flex fwd {row['flex_fwd_tflops']:6.1f} bwd {row['flex_bwd_tflops']:6.1f}"
-                                            if "flex_fwd_tflops" in row else "")
-              + (f" | fa4 fwd {row['fa4_fwd_tflops']:6.1f} bwd {row['fa4_bwd_tflops']:6.1f}" if "fa4_fwd_tflops" in row
-                 else (f" | fa4: {row['fa4_error']}" if "fa4_error" in row else "")), flush=True)
     dense = rows[0]
+    again = ms["dense causal, again/ours fwd"], ms["dense causal, again/ours bwd"] - ms["dense causal/zero"]
+    check = dict(fwd=dense["ours_fwd_ms"] / again[0], bwd=dense["ours_bwd_ms"] / again[1])
     for row in rows:
-        if "fa4_fwd_tflops" in row and "fa4_fwd_tflops" in dense:
-            # FA4's own masked/dense ratios, from its dense causal row of this run
-            row["fa4_fwd_vs_fa4_dense"] = row["fa4_fwd_tflops"] / dense["fa4_fwd_tflops"]
-            row["fa4_bwd_vs_fa4_dense"] = row["fa4_bwd_tflops"] / dense["fa4_bwd_tflops"]
-        if "flex_fwd_tflops" in row and "flex_fwd_tflops" in dense:
+        row["fwd_vs_own_dense"] = row["ours_fwd_tflops"] / dense["ours_fwd_tflops"]
+        row["bwd_vs_own_dense"] = row["ours_bwd_tflops"] / dense["ours_bwd_tflops"]
+        for peer in ("flex", "fa4"):
+            if f"{peer}_fwd_tflops" in row and f"{peer}_fwd_tflops" in dense:
+                # the peer's own masked/dense ratios in this run
+                row[f"{peer}_fwd_vs_{peer}_dense"] = row[f"{peer}_fwd_tflops"] / dense[f"{peer}_fwd_tflops"]
+                row[f"{peer}_bwd_vs_{peer}_dense"] = row[f"{peer}_bwd_tflops"] / dense[f"{peer}_bwd_tflops"]
+        if "flex_fwd_tflops" in row:
             row["fwd_vs_flex"] = row["ours_fwd_tflops"] / row["flex_fwd_tflops"]
             row["bwd_vs_flex"] = row["ours_bwd_tflops"] / row["flex_bwd_tflops"]
+        print(f"{row['input']:<30} fwd {row['ours_fwd_tflops']:6.1f} bwd {row['ours_bwd_tflops']:6.1f} TFLOP/s, "
+              f"x dense {row['fwd_vs_own_dense']:.3f} / {row['bwd_vs_own_dense']:.3f} "
+              f"(intervals {row['intervals_ms']:.3f} ms)"
+              + "".join(f" | {p} fwd {row[p + '_fwd_tflops']:6.1f} bwd {row[p + '_bwd_tflops']:6.1f}, x its dense "
+                        f"{row[p + '_fwd_vs_' + p + '_dense']:.3f} / {row[p + '_bwd_vs_' + p + '_dense']:.3f}"
+                        if p + "_fwd_vs_" + p + "_dense" in row else (f" | {p}: {row[p + '_error']}" if p + "_error" in row
+                                                                      else "") for p in ("flex", "fa4")), flush=True)
+    print(f"dense causal timed first and last, ratio of the two (1.0: no drift left): fwd {check['fwd']:.3f}, "
+          f"bwd {check['bwd']:.3f}")
     gpu = torch.cuda.get_device_name()
     import triton
     result = dict(benchmark="masked_attention", gpu=gpu, torch=torch.__version__, triton=triton.__version__,
                   command="python3 benchmarks/masked_attention.py" + (" --flex" if args.flex else "")
                   + (" --fa4" if args.fa4 else ""),
                   date=time.strftime("%Y-%m-%dT%H:%M:%S"), shape=dict(batch=b, heads=h, head_dim=d, seqlen=s),
-                  dtype="bfloat16", flops="4*B*H*D*visible pairs; backward 2.5x", rows=rows)
+                  dtype="bfloat16", flops="4*B*H*D*visible pairs; backward 2.5x",
+                  method="each side do_bench's median after 500 ms of it alone; the list in order, then in reverse; "
+                         "the mean of the two (benchmarks/timing.abba_ms)", dense_first_over_last=check, rows=rows)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"masked_attention-{gpu.replace(' ', '_')}")
     with open(stem + ".json", "w") as f:

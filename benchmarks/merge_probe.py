@@ -18,7 +18,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from block_attention import interleaved_ms, save_result  # noqa: E402
+from block_attention import save_result  # noqa: E402
+from timing import interleaved_ms  # noqa: E402
 
 # (batch, heads, kv heads, seqlen, head dim, causal): block_attention's rows where the ratio is largest
 SHAPES = ((2, 16, 16, 4096, 128, True), (2, 16, 16, 8192, 128, True), (2, 16, 16, 8192, 128, False),

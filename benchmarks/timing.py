@@ -1,0 +1,61 @@
+"""How the benchmarks time kernels against each other when the GPU's clock will not hold still.
+
+Under a sustained load an H100/H200 runs at its power cap (700 W), and the clock that cap allows falls as
+the card warms: the same forward read 1530 then 1485 MHz four seconds apart, a backward 1747 then 1575
+(`clock_probe-*.json`). So a kernel timed after another has run for a while reads slower than it would
+first: timed right after our dense causal block, the same block read 0.89x of itself on an H100
+(`masked_attention`, session 33). Two remedies, for two questions:
+- `interleaved_ms`: launches interleaved A B A B, for versions of one kernel (an A/B of a change);
+- `abba_ms`: each side in its own steady state (a long warm-up of that side alone), the whole list timed
+  in order and then in reverse, each side the mean of its two readings: a drift linear in time cancels.
+  For different kernels (a masked block against the dense one, ours against a peer).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from triton.testing import do_bench
+
+
+def interleaved_ms(fns: dict, budget_s: float = 3.0, max_rounds: int = 200) -> dict[str, float]:
+    """Median ms of each of `fns` (name -> `fn(i)`), their launches interleaved A B C A B C ..., each
+    timed by its own CUDA events after an L2 flush (as `do_bench` does for one function). Timing the
+    sides in turn, one `do_bench` each, let identical kernels differ by up to 3% (the GPU's clock drifts
+    over seconds); interleaved, the drift hits every side alike (A/A: x0.999-1.001). For kernels of
+    similar power draw (A/B of one kernel's versions): a light kernel right after a heavy one starts at
+    the clock the heavy one left (masked_attention.py times apart). Rounds: as many as fit `budget_s`."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    for fn in fns.values():
+        fn(0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for fn in fns.values():
+        fn(0)
+    torch.cuda.synchronize()
+    rounds = max(10, min(max_rounds, int(budget_s / max(time.perf_counter() - t0, 1e-6))))
+    names = list(fns)
+    events = {name: [] for name in names}
+    for r in range(rounds):
+        for j in range(len(names)):
+            # the order rotates every round: no side always follows the same one
+            name = names[(r + j) % len(names)]
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[name](r)
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: float(torch.tensor([s.elapsed_time(e) for s, e in ev]).median()) for name, ev in events.items()}
+
+
+def abba_ms(fns: dict, warmup_ms: int = 500, rep_ms: int = 200) -> dict[str, tuple[float, float]]:
+    """`name -> (forward-order ms, reverse-order ms)` for each of `fns` (name -> `fn()`): every side
+    `do_bench`'s median after `warmup_ms` of it alone, the list timed in order, then in reverse. The mean
+    of the two readings cancels a drift linear in time; their difference shows what drift there was."""
+    names = list(fns)
+    first = {name: do_bench(fns[name], warmup=warmup_ms, rep=rep_ms, return_mode="median") for name in names}
+    second = {name: do_bench(fns[name], warmup=warmup_ms, rep=rep_ms, return_mode="median") for name in reversed(names)}
+    return {name: (first[name], second[name]) for name in names}
