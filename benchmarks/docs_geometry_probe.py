@@ -8,8 +8,9 @@ exactly the work of a batch of eight 4K causal blocks. This times, in one proces
 - `batch causal`: the causal kernels over the `[8, 4K]` view;
 - `batch intervals`: the interval kernels over the same view, causal intervals;
 - the same for 64 documents of 512, and the dense causal 32K block the masked ratios divide by.
-FLOPs over visible pairs, as `masked_attention.py` counts them. Times: `timing.abba_ms` (each side
-after 500 ms of it alone, in order then in reverse, the mean), as `masked_attention.py`; then the
+FLOPs over visible pairs, as `masked_attention.py` counts them. Times: `timing.abba_ms` (the card
+warmed, each side after 500 ms of it alone, in order and in reverse, twice, the mean), as
+`masked_attention.py`; then the
 forward sides again with launches interleaved (`timing.interleaved_ms`).
 
 Usage: python3 benchmarks/docs_geometry_probe.py [--out DIR]
@@ -95,7 +96,7 @@ def main() -> None:
         }
         fns = {f"{name}/fwd": (lambda f=f: f(0)) for name, (f, _) in sides.items()}
         fns.update({f"{name}/bwd": (lambda b=b: b(0)) for name, (_, b) in sides.items() if b is not None})
-        ms = {key: sum(r) / 2 for key, r in abba_ms(fns).items()}
+        ms = {key: sum(r) / len(r) for key, r in abba_ms(fns).items()}
         fwd_ms = {name: ms[f"{name}/fwd"] for name in sides}
         bwd_ms = {name: ms[f"{name}/bwd"] for name in sides if f"{name}/bwd" in ms}
         inter = interleaved_ms({name: f for name, (f, _) in sides.items()})

@@ -6,9 +6,10 @@ the card warms: the same forward read 1530 then 1485 MHz four seconds apart, a b
 first: timed right after our dense causal block, the same block read 0.89x of itself on an H100
 (`masked_attention`, session 33). Two remedies, for two questions:
 - `interleaved_ms`: launches interleaved A B A B, for versions of one kernel (an A/B of a change);
-- `abba_ms`: each side in its own steady state (a long warm-up of that side alone), the whole list timed
-  in order and then in reverse, each side the mean of its two readings: a drift linear in time cancels.
-  For different kernels (a masked block against the dense one, ours against a peer).
+- `abba_ms`: the card warmed first by all sides in turn; then each side in its own steady state (a
+  warm-up of that side alone), the whole list timed in order and in reverse, twice, each side the mean
+  of its readings: a drift linear in time cancels. For different kernels (a masked block against the
+  dense one, ours against a peer).
 """
 
 from __future__ import annotations
@@ -51,11 +52,21 @@ def interleaved_ms(fns: dict, budget_s: float = 3.0, max_rounds: int = 200) -> d
     return {name: float(torch.tensor([s.elapsed_time(e) for s, e in ev]).median()) for name, ev in events.items()}
 
 
-def abba_ms(fns: dict, warmup_ms: int = 500, rep_ms: int = 200) -> dict[str, tuple[float, float]]:
-    """`name -> (forward-order ms, reverse-order ms)` for each of `fns` (name -> `fn()`): every side
-    `do_bench`'s median after `warmup_ms` of it alone, the list timed in order, then in reverse. The mean
-    of the two readings cancels a drift linear in time; their difference shows what drift there was."""
+def abba_ms(fns: dict, warmup_ms: int = 500, rep_ms: int = 200, passes: int = 2,
+            preheat_s: float = 10.0) -> dict[str, list[float]]:
+    """`name -> readings (ms)` for each of `fns` (name -> `fn()`): first `preheat_s` of all of them in
+    turn (the card warms to where a long run keeps it), then `passes` times the list in order and in
+    reverse, every side `do_bench`'s median after `warmup_ms` of it alone. The mean of a side's readings
+    cancels a drift linear in time; their spread shows what drift there was."""
     names = list(fns)
-    first = {name: do_bench(fns[name], warmup=warmup_ms, rep=rep_ms, return_mode="median") for name in names}
-    second = {name: do_bench(fns[name], warmup=warmup_ms, rep=rep_ms, return_mode="median") for name in reversed(names)}
-    return {name: (first[name], second[name]) for name in names}
+    end = time.perf_counter() + preheat_s
+    while time.perf_counter() < end:
+        for name in names:
+            fns[name]()
+        torch.cuda.synchronize()
+    readings = {name: [] for name in names}
+    for _ in range(passes):
+        for order in (names, names[::-1]):
+            for name in order:
+                readings[name].append(do_bench(fns[name], warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    return readings
