@@ -9,7 +9,7 @@ exactly the work of a batch of eight 4K causal blocks. This times, in one proces
 - `batch intervals`: the interval kernels over the same view, causal intervals;
 - the same for 64 documents of 512, and the dense causal 32K block the masked ratios divide by.
 FLOPs over visible pairs, as `masked_attention.py` counts them. Times: `timing.abba_ms` (the card
-warmed, each side after 500 ms of it alone, in order and in reverse, twice, the mean), as
+warmed, each side after 2 s of it alone, in order and in reverse, the mean), as
 `masked_attention.py`; then the
 forward sides again with launches interleaved (`timing.interleaved_ms`).
 

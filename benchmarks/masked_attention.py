@@ -8,9 +8,9 @@ in the same process on the same inputs: with --flex, PyTorch's FlexAttention (co
 with --fa4, FlashAttention-4 (`flash_attn.cute`: windows as `window_size`, documents through
 `flash_attn_varlen_func`), timed as ours are, with its own masked/dense ratios (issue 28's bar for 64
 short documents and the 1K window is ours at least FA4's ratio).
-FLOPs: 4 * B * H * D * visible pairs (forward), 2.5x that (backward). Times (`timing.abba_ms`): 10 s of
-every side in turn to warm the card, then each side `do_bench`'s median after 500 ms of it alone, the
-whole list in order and in reverse, twice, the mean of the four readings; the dense block is listed
+FLOPs: 4 * B * H * D * visible pairs (forward), 2.5x that (backward). Times (`timing.abba_ms`): 5 s of
+every side in turn to warm the card, then each side `do_bench`'s median after 2 s of it alone, the
+whole list in order and in reverse, the mean of the two readings; the dense block is listed
 first and again last, and the two should agree.
 (Timed next to each input as before, the dense block read 0.89x of itself on an H100: the card slows as
 it warms, so whatever runs second reads slow.)
@@ -189,7 +189,7 @@ def main() -> None:
         row = dict(input=name, docs=len(rule.docs) - 1 if rule.docs else 1, window=rule.window, visible_pairs=pairs,
                    ours_fwd_ms=fwd, ours_bwd_ms=bwd, intervals_ms=ivs[name], ours_fwd_tflops=flop / fwd / 1e9,
                    ours_bwd_tflops=2.5 * flop / bwd / 1e9,
-                   # every reading of each side (in order, in reverse, twice): how far the clock drifted
+                   # both readings of each side (in order, in reverse): how far the clock drifted
                    readings_ms={key.split("/")[1]: v for key, v in readings.items() if key.split("/")[0] == name})
         for peer in ("flex", "fa4"):
             if f"{name}/{peer} fwd" in ms:
@@ -231,8 +231,8 @@ def main() -> None:
                   + (" --fa4" if args.fa4 else ""),
                   date=time.strftime("%Y-%m-%dT%H:%M:%S"), shape=dict(batch=b, heads=h, head_dim=d, seqlen=s),
                   dtype="bfloat16", flops="4*B*H*D*visible pairs; backward 2.5x",
-                  method="10 s of every side in turn; then each side do_bench's median after 500 ms of it alone, the "
-                         "list in order and in reverse, twice; the mean of the four (benchmarks/timing.abba_ms)",
+                  method="5 s of every side in turn; then each side do_bench's median (300 ms) after 2 s of it alone, "
+                         "the list in order and in reverse; the mean of the two (benchmarks/timing.abba_ms)",
                   dense_first_over_last=check, rows=rows)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"masked_attention-{gpu.replace(' ', '_')}")

@@ -6,10 +6,12 @@ the card warms: the same forward read 1530 then 1485 MHz four seconds apart, a b
 first: timed right after our dense causal block, the same block read 0.89x of itself on an H100
 (`masked_attention`, session 33). Two remedies, for two questions:
 - `interleaved_ms`: launches interleaved A B A B, for versions of one kernel (an A/B of a change);
-- `abba_ms`: the card warmed first by all sides in turn; then each side in its own steady state (a
-  warm-up of that side alone), the whole list timed in order and in reverse, twice, each side the mean
+- `abba_ms`: the card warmed first by all sides in turn; then each side in its own steady state (2 s of
+  that side alone before it is timed), the whole list timed in order and in reverse, each side the mean
   of its readings: a drift linear in time cancels. For different kernels (a masked block against the
-  dense one, ours against a peer).
+  dense one, ours against a peer). With 500 ms of warm-up the readings still followed what ran before:
+  FA4's 1K-window forward read 1.10 ms after a memset and 1.22 ms after its backward (H100, session 33):
+  the power cap's controller remembers about a second.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def interleaved_ms(fns: dict, budget_s: float = 3.0, max_rounds: int = 200) -> d
     return {name: float(torch.tensor([s.elapsed_time(e) for s, e in ev]).median()) for name, ev in events.items()}
 
 
-def abba_ms(fns: dict, warmup_ms: int = 500, rep_ms: int = 200, passes: int = 2,
-            preheat_s: float = 10.0) -> dict[str, list[float]]:
+def abba_ms(fns: dict, warmup_ms: int = 2000, rep_ms: int = 300, passes: int = 1,
+            preheat_s: float = 5.0) -> dict[str, list[float]]:
     """`name -> readings (ms)` for each of `fns` (name -> `fn()`): first `preheat_s` of all of them in
     turn (the card warms to where a long run keeps it), then `passes` times the list in order and in
     reverse, every side `do_bench`'s median after `warmup_ms` of it alone. The mean of a side's readings
