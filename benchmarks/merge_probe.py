@@ -3,8 +3,10 @@ two ways on one H100/H200 so that the two benchmarks that report it can be check
 through the public call (`attention_forward` with and without `out_acc`/`lse_acc`, as
 `block_attention.py` times it, the state starting at `(0, -inf)`) and through the Hopper launcher
 directly (as `fwd_ab.py --accum` does, a random state), plus the merging forward under the other
-launch configurations (persistent programs taking tiles from a counter; one program per tile).
-Every function is timed with the launches interleaved (`block_attention.interleaved_ms`), medians.
+launch configurations (persistent programs taking tiles from a counter; one program per tile). And the
+first block of a row range as the ring and `chunked_attention` run it: before session 33, zeroed
+accumulators (a fill) merged into; now written fresh (`fresh=True`: no fill, no read).
+Every function is timed with the launches interleaved (`timing.interleaved_ms`), medians.
 
 Usage (on a GPU): python benchmarks/merge_probe.py [--out DIR]
 """
@@ -35,6 +37,7 @@ def probe(b: int, h: int, hkv: int, s: int, d: int, causal: bool) -> dict:
     scale = d**-0.5
     out, lse = torch.empty_like(q), torch.empty(b, h, s, device="cuda")
     empty = (torch.zeros(b, s, h, d, device="cuda"), torch.full((b, h, s), float("-inf"), device="cuda"))
+    fresh = (torch.empty(b, s, h, d, device="cuda"), torch.empty(b, h, s, device="cuda"))
     states = {name: (torch.randn(b, s, h, d, device="cuda"), torch.randn(b, h, s, device="cuda"))
               for name in ("launcher", "persistent", "per_tile")}
     public = dict(softmax_scale=scale, causal=causal, q_start=0, k_start=0)
@@ -42,6 +45,9 @@ def probe(b: int, h: int, hkv: int, s: int, d: int, causal: bool) -> dict:
     fns = {
         "public_plain": lambda _i: F.attention_forward(q, k, v, **public),
         "public_merge": lambda _i: F.attention_forward(q, k, v, **public, out_acc=empty[0], lse_acc=empty[1]),
+        "public_fresh": lambda _i: F.attention_forward(q, k, v, **public, out_acc=fresh[0], lse_acc=fresh[1],
+                                                       fresh=True),
+        "fill": lambda _i: (empty[0].zero_(), empty[1].fill_(float("-inf"))),
         "launcher_plain": lambda _i: H.hopper_forward(q, k, v, out, lse, **direct, accum=False),
         "launcher_merge": lambda _i: H.hopper_forward(q, k, v, *states["launcher"], **direct, accum=True),
     }
@@ -53,7 +59,10 @@ def probe(b: int, h: int, hkv: int, s: int, d: int, causal: bool) -> dict:
     best = interleaved_ms(fns)
     row = dict(batch=b, heads=h, kv_heads=hkv, seqlen=s, head_dim=d, causal=causal, ms=best,
                public_merge_ratio=best["public_merge"] / best["public_plain"],
-               launcher_merge_ratio=best["launcher_merge"] / best["launcher_plain"])
+               launcher_merge_ratio=best["launcher_merge"] / best["launcher_plain"],
+               # a row range's first block: zeroed accumulators merged into (before), written fresh (now)
+               first_block_before_ratio=(best["fill"] + best["public_merge"]) / best["public_plain"],
+               first_block_fresh_ratio=best["public_fresh"] / best["public_plain"])
     for name in ("merge_persistent", "merge_per_tile"):
         if name in best:
             row[f"{name}_ratio"] = best[name] / best["launcher_plain"]

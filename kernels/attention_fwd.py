@@ -300,6 +300,7 @@ def attention_forward(
     lse_acc: torch.Tensor | None = None,
     key_lo: torch.Tensor | None = None,
     key_hi: torch.Tensor | None = None,
+    fresh: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block attention forward (the forward of the block-op contract, `ringlse.blocks.contract`).
 
@@ -333,12 +334,16 @@ def attention_forward(
         out_acc: optional float32 `[b, sq, h, d]` running output (may be a strided view, last dim
             contiguous).
         lse_acc: optional float32 `[b, h, sq]` running lse (natural log; any strides).
+        fresh: with accumulators, they hold nothing yet: their contents are not read (garbage, NaN
+            allowed) and every row is written, the block's state in float32 (rows that see no key get
+            `(0, -inf)`). The first block of a row range then costs what a plain forward costs, not a
+            read of zeros and a merge.
 
     Returns:
         Without accumulators: `(out, lse)`, `out` `[b, sq, h, d]` in q's dtype and `lse` `[b, h, sq]`
         float32 natural log; rows that see no key get `out = 0`, `lse = -inf`. With accumulators: the
-        block is merged into them in the kernel epilogue (CONVENTIONS.md §3, `-inf`-safe) and they
-        are returned.
+        block is merged into them in the kernel epilogue (CONVENTIONS.md §3, `-inf`-safe), or with
+        `fresh` written into them, and they are returned.
 
     Raises:
         ValueError: float64 or other unsupported dtypes, mismatched shapes, bad accumulators, bad
@@ -356,12 +361,15 @@ def attention_forward(
         if causal:
             raise ValueError("attention_forward: key_lo/key_hi already hold the causal rule; pass causal=False")
         key_lo, key_hi = check_intervals(key_lo, key_hi, sq, q.device, "attention_forward", "key_lo/key_hi")
-    accum = out_acc is not None
-    if accum:
+    accum = out_acc is not None and not fresh
+    if out_acc is not None:
         check_state(out_acc, lse_acc, q, "attention_forward")
     if b * h * sq == 0 or sk == 0:
         # nothing to launch: no rows, or rows that see no key, whose state (0, -inf) merges to nothing
-        if accum:
+        if out_acc is not None:
+            if fresh:
+                out_acc.zero_()
+                lse_acc.fill_(float("-inf"))
             return out_acc, lse_acc
         return torch.zeros_like(q), torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
@@ -370,7 +378,8 @@ def attention_forward(
         # the kernel folds the scale into a max taken before scaling, which needs scale >= 0;
         # (-q) . k * |s| is exactly q . k * s
         q, scale = -q, -scale
-    if accum:
+    if out_acc is not None:
+        # merged into, or (fresh) written as a plain forward writes its output, in float32
         out, lse = out_acc, lse_acc
     else:
         out = torch.empty_like(q)

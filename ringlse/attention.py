@@ -10,7 +10,7 @@ import torch
 
 from ringlse import library
 from ringlse.blocks import get_block_op
-from ringlse.blocks.contract import BlockCall, BlockOp, planned_attention
+from ringlse.blocks.contract import BlockCall, BlockOp, StateRows, planned_attention
 from ringlse.checks import check_flag, check_qkv, check_scale, lse_dtype
 from ringlse.masks import BlockKind, Rule, Span, block_kind, check_docs, check_window, planned_intervals
 from ringlse.merge import PartSum
@@ -18,7 +18,8 @@ from ringlse.merge import PartSum
 
 class _CallPlan:
     """Block calls over one q, k, v: a lone call covering everything returns its state as it is;
-    several merge into float32 accumulators (the op merges in place, into views of them)."""
+    several fill float32 accumulators (`StateRows`: the first call over some rows writes them, later
+    ones merge in place, into views of them)."""
 
     def __init__(self, op: BlockOp, scale: float, calls: list[BlockCall]):
         self.op, self.scale, self.calls = op, scale, calls
@@ -27,17 +28,14 @@ class _CallPlan:
         return dict(softmax_scale=self.scale, **c.block_args())
 
     def forward(self, q, k, v):
-        b, sq, h, _ = q.shape
+        sq = q.shape[1]
         acc = lse_dtype(q.dtype)
         if len(self.calls) == 1 and self.calls[0][:4] == (0, sq, 0, k.shape[1]):
             return self.op.forward(q, k, v, **self._kw(self.calls[0]))
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
+        state = StateRows(q.shape, acc, q.device)
         for c in self.calls:
-            rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
-            self.op.forward(q[:, rows], k[:, keys], v[:, keys], **self._kw(c), out_acc=out[:, rows],
-                            lse_acc=lse[:, :, rows])
-        return out, lse
+            state.add(self.op, q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1], c.q0, c.q1, **self._kw(c))
+        return state.result()
 
     def backward(self, dout, q, k, v, out, lse, delta, lse_grad):
         acc = lse_dtype(q.dtype)

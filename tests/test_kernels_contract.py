@@ -4,8 +4,8 @@ and the interpreter switch.
 `attention_forward` / `attention_backward` take blocks the caller has classified (nothing visible:
 not passed; `causal=True` only where the causal boundary crosses the block). These tests pin down what
 the launchers still guarantee outside that: zero-length q or k, `causal=True` on a block every query
-sees (bit for bit the non-causal result), and a causal block no query sees (`(0, -inf)` rows,
-accumulators kept up to a rounding, gradients untouched). float32 under the interpreter on CPU (conftest sets TRITON_INTERPRET=1 without
+sees (bit for bit the non-causal result), a causal block no query sees (`(0, -inf)` rows,
+accumulators kept up to a rounding, gradients untouched), and `fresh` accumulators (written, not read). float32 under the interpreter on CPU (conftest sets TRITON_INTERPRET=1 without
 CUDA), against `reference_attention` in float64.
 """
 
@@ -163,6 +163,53 @@ def test_causal_block_nothing_visible(offsets, device):
     before, after = _backward(q, k, v, True, qs, ks)
     for name, b_, a in zip(("dq", "dk", "dv"), before, after):
         assert torch.equal(a, b_), name
+
+
+# ---------------------------------------------------------------------------------------------------
+# fresh accumulators: written, never read; bit for bit the plain forward's state
+
+
+def _poisoned(sq, device):
+    return (torch.full((B, sq, H, D), float("nan"), device=device),
+            torch.full((B, H, sq), float("nan"), device=device))
+
+
+FRESH_CASES = [
+    pytest.param((SQ, SK, False, 0, 0), id="full"),
+    pytest.param((SQ, SK, True, 20, 3), id="causal-some-rows-empty"),
+    pytest.param((SQ, SK, True, 0, SQ), id="causal-nothing-visible"),
+    pytest.param((SQ, 0, True, 0, 0), id="zero-length-k"),
+    pytest.param((0, SK, False, 0, 0), id="zero-length-q"),
+]
+
+
+@pytest.mark.parametrize("case", FRESH_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fresh_accumulators_are_written_not_read(case, dtype, device):
+    sq, sk, causal, qs, ks = case
+    q, k, v = _draw(sq, sk, device, seed=5, dtype=dtype)
+    kw = dict(softmax_scale=D**-0.5, causal=causal, q_start=qs, k_start=ks)
+    out, lse = attention_forward(q, k, v, **kw)
+    out_acc, lse_acc = _poisoned(sq, device)
+    got = attention_forward(q, k, v, out_acc=out_acc, lse_acc=lse_acc, fresh=True, **kw)
+    assert got[0] is out_acc and got[1] is lse_acc
+    # the same kernel and arithmetic as the plain forward, stored in float32 instead of q's dtype
+    assert torch.equal(out_acc.to(dtype), out) and torch.equal(lse_acc, lse)
+    empty = torch.isneginf(lse)
+    assert (out_acc[empty.transpose(1, 2)] == 0).all()
+
+
+def test_fresh_accumulators_under_intervals(device):
+    """Rows whose interval is empty get `(0, -inf)` in place of the poison; the others the plain state."""
+    q, k, v = _draw(SQ, SK, device, seed=6)
+    lo = torch.arange(SQ, dtype=torch.int32, device=device) // 2
+    hi = torch.where(torch.arange(SQ, device=device) % 5 == 0, lo, lo + 7).to(torch.int32)
+    kw = dict(softmax_scale=D**-0.5, causal=False, q_start=0, k_start=0, key_lo=lo, key_hi=hi)
+    out, lse = attention_forward(q, k, v, **kw)
+    out_acc, lse_acc = _poisoned(SQ, device)
+    attention_forward(q, k, v, out_acc=out_acc, lse_acc=lse_acc, fresh=True, **kw)
+    assert torch.equal(out_acc, out) and torch.equal(lse_acc, lse)
+    assert torch.isneginf(lse_acc[:, :, ::5]).all() and (out_acc[:, ::5] == 0).all()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ forward(q, k, v, *, softmax_scale, causal, q_start, k_start, out_acc=None, lse_a
     q's dtype, `lse` `[b, h, sq]` float32 (float64 for float64 inputs). With `out_acc` `[b, sq, h, d]`
     and `lse_acc` `[b, h, sq]` (float32/float64, possibly strided views into larger buffers): merges
     the block into them in place (CONVENTIONS.md §3, `-inf`-safe) and returns them. Ops with
+    `writes_fresh` also take `fresh=True` with accumulators that hold nothing yet: their contents are
+    not read and every row is written (`StateRows` decides when). Ops with
     `takes_intervals` also take `intervals=` (`ringlse.masks.Intervals`) for masks other than plain
     causal (windows, documents; CONVENTIONS.md §10), with `causal=False`; backward likewise. Ops with
     `takes_window` take `window_size=(left, right)` instead, for windows alone.
@@ -112,6 +114,9 @@ class BlockOp:
     # computes a step's dk/dv in pieces of keys, each sent home while the next is built, and its dq
     # once (`ringlse.ring.backward`)
     split_backward: bool = False
+    # forward takes `fresh=True` with accumulators that hold nothing yet: it writes the block's state
+    # into every row instead of reading and merging (`StateRows`)
+    writes_fresh: bool = False
     # with split_backward: `(q, k, v) -> bool`, whether the backward adds dq in the same pass as dk/dv
     # for these inputs; the ring then adds dq with each piece instead of in a second pass over the step
     dq_with_dkdv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], bool] | None = None
@@ -139,6 +144,56 @@ class BlockOp:
         if lse_grad is not None:
             delta = delta - lse_grad
         return dout, delta, lse_grad
+
+
+class StateRows:
+    """A call's running state, `out` `[b, n, h, d]` and `lse` `[b, h, n]` in float32 (float64 for float64
+    inputs), filled by block calls over row ranges.
+
+    The first call over rows no call has written yet writes its state there (`fresh`, for ops with
+    `BlockOp.writes_fresh`) instead of merging into zeros it would first read: the ring's first block
+    and `chunked_attention`'s first chunk cost a plain forward, and no accumulator is zeroed. Rows a
+    call shares with earlier ones get `(0, -inf)` where nothing was written yet, then the merge; rows no
+    call wrote get `(0, -inf)` in `result`."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        b, n, h, d = shape
+        self.out = torch.empty((b, n, h, d), dtype=dtype, device=device)
+        self.lse = torch.empty((b, h, n), dtype=dtype, device=device)
+        self._written: list[tuple[int, int]] = []  # disjoint row ranges, in no order
+
+    def _empty(self, q0: int, q1: int) -> None:
+        self.out[:, q0:q1].zero_()
+        self.lse[:, :, q0:q1].fill_(float("-inf"))
+
+    def _unwritten(self, q0: int, q1: int) -> list[tuple[int, int]]:
+        gaps, at = [], q0
+        for a, b in sorted(self._written):
+            if b <= at or a >= q1:
+                continue
+            if a > at:
+                gaps.append((at, a))
+            at = max(at, b)
+        return gaps + ([(at, q1)] if at < q1 else [])
+
+    def add(self, op: BlockOp, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q0: int, q1: int, **block) -> None:
+        """Attend `q` (the rows `[q0, q1)` of the state) to `k`, `v` through `op` (`block`: the
+        forward's other keyword arguments), into the state."""
+        gaps = self._unwritten(q0, q1)
+        fresh = gaps == [(q0, q1)] and op.writes_fresh
+        if not fresh:
+            for a, b in gaps:
+                self._empty(a, b)
+        self._written += gaps
+        extra = {"fresh": True} if fresh else {}
+        op.forward(q, k, v, **block, out_acc=self.out[:, q0:q1], lse_acc=self.lse[:, :, q0:q1], **extra)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(out, lse)`, every row written."""
+        for a, b in self._unwritten(0, self.out.shape[1]):
+            self._empty(a, b)
+        self._written.append((0, self.out.shape[1]))
+        return self.out, self.lse
 
 
 def torch_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -34,4 +34,4 @@ def triton_block_backward(dout, q, k, v, out, lse, delta, *, intervals: Interval
 
 
 TRITON_BLOCK_OP = BlockOp("triton", triton_block_forward, triton_block_backward, delta=_bwd.attention_delta,
-                          takes_intervals=True, split_backward=True, dq_with_dkdv=_bwd.dq_with_dkdv)
+                          takes_intervals=True, split_backward=True, dq_with_dkdv=_bwd.dq_with_dkdv, writes_fresh=True)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ringlse import library
 from ringlse.blocks import get_block_op
-from ringlse.blocks.contract import BlockOp, planned_attention
+from ringlse.blocks.contract import BlockOp, StateRows, planned_attention
 from ringlse.checks import SUPPORTED_DTYPES, check_flag, check_qkv, check_scale, lse_dtype
 from ringlse.masks import Rule, check_docs, check_window
 from ringlse.merge import StateMerge
@@ -51,12 +51,9 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, pee
     overlaps the own block (its launch costs host time: posted after it, a whole first block arrived
     up to 0.8 ms after the own block ended on 4xH200; NOTES.md). Otherwise the own block is queued
     first, so the GPU works while this rank waits for the others."""
-    b, n, h, d = q.shape
     acc = lse_dtype(q.dtype)
     states = StateMerge(q.shape, acc, q.device) if op.forward_parts is not None else None
-    if states is None:
-        out = torch.zeros((b, n, h, d), dtype=acc, device=q.device)
-        lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
+    rows = StateRows(q.shape, acc, q.device) if states is None else None
     kv_own, bufs, ready, pulled = own_kv(comm, k, v, pull, plans, route) if comm.world > 1 else (None, [], None, None)
 
     def attend(plan, kv):
@@ -67,7 +64,7 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, pee
                 for part in op.forward_parts(qc, kc, vc, **block):
                     states.add(part, c.q0)
             else:
-                op.forward(qc, kc, vc, **block, out_acc=out[:, c.q0:c.q1], lse_acc=lse[:, :, c.q0:c.q1])
+                rows.add(op, qc, kc, vc, c.q0, c.q1, **block)
 
     own_first = not check.ready()
     if own_first:
@@ -84,7 +81,7 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, pee
                                     "forward", limit):
             if s > 0 or not own_first:
                 attend(plans[s], held)
-    return states.result(q.dtype) if states is not None else (out, lse)
+    return states.result(q.dtype) if states is not None else rows.result()
 
 
 class _RingPlan:
