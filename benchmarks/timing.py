@@ -1,7 +1,7 @@
 """How the benchmarks time kernels against each other when the GPU's clock will not hold still.
 
 Under a sustained load an H100/H200 runs at its power cap (700 W), and the clock that cap allows falls as
-the card warms: the same forward read 1530 then 1485 MHz four seconds apart, a backward 1747 then 1575
+the card warms: the same forward read 1530 then 1485 MHz twelve seconds apart, a backward 1747 then 1575
 (`clock_probe-*.json`). So a kernel timed after another has run for a while reads slower than it would
 first: timed right after our dense causal block, the same block read 0.89x of itself on an H100
 (`masked_attention`, session 33). Two remedies, for two questions:
