@@ -51,15 +51,14 @@ def calls(q, k, v, rule: Rule | None, causal: bool, config: HopperConfig | None 
     delta = op.compute_delta(dout, out)
     acc = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)]
 
+    o2, l2 = torch.empty_like(q), torch.empty_like(lse)
+    iv = block.get("intervals")
+    lo, hi = (None, None) if iv is None else (iv.key_lo.to(q.device), iv.key_hi.to(q.device))
+
     def fwd(_i):
-        op.forward(q, k, v, softmax_scale=scale, **block)
-
-    if config is not None:
-        o2, l2 = torch.empty_like(q), torch.empty_like(lse)
-        iv = block.get("intervals")
-        lo, hi = (None, None) if iv is None else (iv.key_lo.to(q.device), iv.key_hi.to(q.device))
-
-        def fwd(_i):  # noqa: F811 (the launcher with another configuration)
+        if config is None:
+            op.forward(q, k, v, softmax_scale=scale, **block)
+        else:  # the launcher with another configuration
             hopper_forward(q, k, v, o2, l2, softmax_scale=scale, causal=causal and rule is None, offset=0,
                            accum=False, config=config, key_lo=lo, key_hi=hi)
 
