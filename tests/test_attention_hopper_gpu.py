@@ -119,6 +119,26 @@ def test_merge_into_state(d, causal, offsets):
     _judge(q, k, v, causal, *offsets, out, lse, state=(torch.where(state_o.isnan(), 0.0, state_o), state_l))
 
 
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("mask", ["causal", "full", "documents"])
+def test_fresh_state_is_the_plain_forward(d, mask):
+    """`fresh=True` (a row range's first block, `StateRows`): poisoned float32 accumulators written, never
+    read, bit for bit the plain forward's state; batch of 2 with partial tiles (one launch per element)."""
+    from ringlse.kernels.attention_fwd import attention_forward
+
+    q, k, v = _draw(2, 1000, 1300, 8, 4, d, torch.bfloat16, seed=25)
+    kw = dict(softmax_scale=d**-0.5, causal=mask == "causal", q_start=300, k_start=0)
+    if mask == "documents":
+        lo, hi = _intervals(1000, 1300, "documents", seed=3)
+        kw.update(causal=False, key_lo=lo, key_hi=hi)
+    assert hopper.hopper_forward_applies(q, k, v)
+    out, lse = attention_forward(q, k, v, **kw)
+    acc = torch.full(q.shape, float("nan"), device="cuda"), torch.full((2, 8, 1000), float("nan"), device="cuda")
+    attention_forward(q, k, v, **kw, out_acc=acc[0], lse_acc=acc[1], fresh=True)
+    assert torch.equal(acc[0].to(q.dtype), out) and torch.equal(acc[1], lse)
+    assert not acc[0].isnan().any()
+
+
 @pytest.mark.parametrize("ramp", ["slow-climb", "jumps", "falling"])
 @pytest.mark.parametrize("d,config", [(128, None), (64, hopper.HopperConfig(128, True)),
                                       (64, hopper.HopperConfig(128, False))],
