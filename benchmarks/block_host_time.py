@@ -19,16 +19,19 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
 import statistics
+import sys
 import time
 
 import torch
 import triton
 
 import ringlse
+
+sys.path.insert(0, os.path.dirname(__file__))
+from block_attention import save_result  # noqa: E402
 
 CALLS, REPEATS = 20, 5
 # (name, sq, sk, causal): the own block and the remote pieces of a 32K zigzag ring at W = 4 (8K per rank,
@@ -99,15 +102,10 @@ def main() -> None:
                     profiles[f"{name} {side}"] = text.getvalue()
                     print(text.getvalue())
     if args.out:
-        gpu = torch.cuda.get_device_name()
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"block_host_time-{gpu.replace(' ', '_')}.json")
-        with open(path, "w") as f:
-            json.dump(dict(benchmark="block_host_time", gpu=gpu, torch=torch.__version__, triton=triton.__version__,
-                           command="python3 benchmarks/block_host_time.py --out DIR",
-                           date=time.strftime("%Y-%m-%dT%H:%M:%S"), calls=CALLS, repeats=REPEATS, rows=rows,
-                           profiles=profiles), f, indent=1)
-        print("wrote", path)
+        print("wrote", save_result(args.out, "block_host_time", dict(
+            benchmark="block_host_time", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+            triton=triton.__version__, command="python3 benchmarks/block_host_time.py --out DIR",
+            date=time.strftime("%Y-%m-%dT%H:%M:%S"), calls=CALLS, repeats=REPEATS, rows=rows, profiles=profiles)))
 
 
 if __name__ == "__main__":

@@ -13,16 +13,19 @@ Usage: python3 benchmarks/clock_probe.py [--out DIR] [--seconds 4]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
 import triton
 
 import ringlse
+
+sys.path.insert(0, os.path.dirname(__file__))
+from block_attention import save_result  # noqa: E402
 
 QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
 
@@ -85,16 +88,11 @@ def main() -> None:
             print(f"{name:<16} round {rnd}: {row['ms']:.4f} ms, SM {row['sm_clock_mhz']} MHz, {row['power_w']} W, "
                   f"{row['throttle_reasons']}", flush=True)
     if args.out:
-        gpu = torch.cuda.get_device_name()
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"clock_probe-{gpu.replace(' ', '_')}.json")
-        with open(path, "w") as f:
-            json.dump(dict(benchmark="clock_probe", gpu=gpu, torch=torch.__version__, triton=triton.__version__,
-                           command=f"python3 benchmarks/clock_probe.py --out DIR --seconds {args.seconds}",
-                           date=time.strftime("%Y-%m-%dT%H:%M:%S"), shape=dict(batch=b, heads=h, head_dim=d, seqlen=s,
-                                                                              causal=True),
-                           rows=rows), f, indent=1)
-        print("wrote", path)
+        print("wrote", save_result(args.out, "clock_probe", dict(
+            benchmark="clock_probe", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+            triton=triton.__version__, command=f"python3 benchmarks/clock_probe.py --out DIR --seconds {args.seconds}",
+            date=time.strftime("%Y-%m-%dT%H:%M:%S"), shape=dict(batch=b, heads=h, head_dim=d, seqlen=s, causal=True),
+            rows=rows)))
 
 
 if __name__ == "__main__":

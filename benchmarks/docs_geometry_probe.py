@@ -19,7 +19,6 @@ Usage: python3 benchmarks/docs_geometry_probe.py [--out DIR]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -31,6 +30,7 @@ import ringlse
 from ringlse.masks import Rule, Span, block_intervals
 
 sys.path.insert(0, os.path.dirname(__file__))
+from block_attention import save_result  # noqa: E402
 from timing import abba_ms, interleaved_ms  # noqa: E402
 from ringlse.kernels.attention_fwd_hopper import HopperConfig, hopper_forward  # noqa: E402
 
@@ -114,11 +114,7 @@ def main() -> None:
                       command="python3 benchmarks/docs_geometry_probe.py --out DIR",
                       date=time.strftime("%Y-%m-%dT%H:%M:%S"), shape=dict(heads=h, head_dim=d, seqlen=s),
                       dtype="bfloat16", flops="4*H*D*visible pairs; backward 2.5x", rows=rows)
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"docs_geometry_probe-{gpu.replace(' ', '_')}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        print("wrote", path)
+        print("wrote", save_result(args.out, "docs_geometry_probe", result))
 
 
 if __name__ == "__main__":
