@@ -37,7 +37,7 @@ def _cases(world: int, backend: str) -> list[dict]:
 
 def _world_sizes() -> list[int]:
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return [w for w in (2, 4) if w <= n] or [2]
+    return [w for w in (2, 3, 4) if w <= n] or [2]
 
 
 @pytest.mark.parametrize("backend", ["triton", "sdpa", "flash"])
@@ -100,7 +100,8 @@ def test_ring_gpu_windows_and_documents(world, transport, tmp_path, monkeypatch)
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     monkeypatch.setenv("RINGLSE_KV_TRANSPORT", transport)  # the spawned ranks inherit it
-    cases = [dict(s=1024, layout=layout, seed=40 + i, **m, **dt)
+    s = 1024 if 1024 % (2 * world) == 0 else 1032  # every layout divides it; the last document ends there
+    cases = [dict(s=s, layout=layout, seed=40 + i, **{**m, "docs": m["docs"] and [*m["docs"][:-1], s]}, **dt)
              for i, (m, layout) in enumerate(itertools.product(MASKED, ("contiguous", "zigzag", "stripe")))
              for dt in (dict(dtype=torch.float64, backend="torch"), dict(dtype=torch.float32, backend="triton", d=64))]
     failures = [f for fs in run_ranks(rw.masked_rings, world, tmp_path, cases, timeout=400, backend="nccl") for f in fs]
@@ -108,27 +109,31 @@ def test_ring_gpu_windows_and_documents(world, transport, tmp_path, monkeypatch)
 
 
 # (victim's fault, ring timeout=, RINGLSE_KV_TRANSPORT, a good ring call first, the group's timeout, phases the
-# survivor may name, bound in seconds). Before the group's first ring call its gloo twin (the agreement's
-# group) does not exist yet, and a dead member never joins it: the survivor waits the group's timeout.
+# survivor may name, bound in seconds, ranks: 2 unless said). From W = 3 the backward's dk/dv messages travel by
+# copy engine too (`ringlse.ring.dkv_pull`): rank 0 waits for the dead rank 1's message at step 1. Before the
+# group's first ring call its gloo twin (the agreement's group) does not exist yet, and a dead member never
+# joins it: the survivor waits the group's timeout.
 NCCL_FAULTS = {
     "exit-before-first-agreement": ("agreement", None, "nccl", False, 20.0, {"agreement"}, 20.0 + 10.0),
     "exit-before-agreement": ("agreement", None, "nccl", True, 60.0, {"agreement"}, 10.0),
     "exit-in-forward-nccl": ("forward", 5.0, "nccl", True, 60.0, {"forward", "backward"}, 5.0 + 10.0),
     "exit-in-backward-nccl": ("backward", 5.0, "nccl", True, 60.0, {"backward"}, 5.0 + 10.0),
     "exit-in-forward-copy": ("forward", 5.0, "copy", True, 60.0, {"forward", "backward"}, 5.0 + 10.0),
+    "exit-in-backward-copy-W3": ("backward", 5.0, "copy", True, 60.0, {"backward"}, 5.0 + 10.0, 3),
 }
 
 
 @pytest.mark.parametrize("name", list(NCCL_FAULTS))
 def test_ring_gpu_dead_rank_raises_on_the_survivor(name, tmp_path, monkeypatch):
-    """A rank of a W = 2 NCCL ring exits: the survivor raises `RuntimeError` naming the phase, the step
-    and the dead peer within `timeout=` plus a few seconds (the agreement runs on a gloo twin, which
+    """A rank of a W = 2 (or 3) NCCL ring exits: the survivor (rank 0) raises `RuntimeError` naming the
+    phase, the step and the dead peer within `timeout=` plus a few seconds (the agreement runs on a gloo twin, which
     notices a closed connection at once), returns no result, and refuses later calls on the group."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    where, timeout, transport, warm, pg_timeout, phases, bound = NCCL_FAULTS[name]
+    where, timeout, transport, warm, pg_timeout, phases, bound, *world = NCCL_FAULTS[name]
+    world = world[0] if world else 2
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
     monkeypatch.setenv("RINGLSE_KV_TRANSPORT", transport)
-    got = run_ranks(rw.ring_fault, 2, tmp_path, 1, where, "exit", timeout, 0.0, warm, backend="nccl",
+    got = run_ranks(rw.ring_fault, world, tmp_path, 1, where, "exit", timeout, 0.0, warm, backend="nccl",
                     pg_timeout=pg_timeout, may_exit=[1], hard_exit=True, timeout=bound + 30)[0]
     assert not got["returned"] and got["type"] == "RuntimeError", f"{name}: {got}"
     m = rw.FAULT_RE.match(got["message"])

@@ -15,7 +15,8 @@ from ringlse.blocks.contract import BlockCall, BlockOp
 from ringlse.checks import lse_dtype
 from ringlse.merge import PartSum, sum_parts
 from ringlse.ring.comm import RingComm
-from ringlse.ring.plan import Route, key_pieces, split_keys
+from ringlse.ring.dkv_pull import PulledMessages
+from ringlse.ring.plan import Route, key_pieces, key_span, piece_size, split_keys
 from ringlse.ring.transport import DKV_TAG, held_blocks, own_kv
 
 # Ops with `split_backward` send a remote step's float32 dk/dv home in pieces of at most
@@ -79,25 +80,31 @@ def ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: 
                 for p in parts:
                     total.add(p, offset)
 
-    def attend_remote(plan: Sequence[BlockCall], kv: torch.Tensor, with_dq: bool) -> list[torch.Tensor]:
-        """Attend to a held K/V block; returns the dk, dv messages for its owner, per call (`with_dq`
-        False: dk/dv alone, in pieces; `remote_dq` then adds dq)."""
-        messages = []
-        for c in plan:
+    def attend_remote(calls: Sequence[BlockCall], kv: torch.Tensor, with_dq: bool,
+                      message: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Attend to a held K/V block; returns the dk/dv messages for its owner (`with_dq` False: dk/dv
+        alone, in pieces; `remote_dq` then adds dq). Ops that accumulate add every call into one
+        `[2, b, rows, hkv, d]` message over the calls' keys (`span`; `message`: where, zeroed);
+        ops that return parts send a dk and a dv per call."""
+        if op.backward_parts is None:
+            k0, k1 = key_span(calls)
+            if message is None:
+                message = torch.zeros((2, b, k1 - k0, hkv, d), dtype=acc, device=q.device)
+            for c in calls:
+                args, kw = call_args(c, kv)
+                op.backward(*args, **kw, dq_acc=dq.accumulator()[:, c.q0:c.q1] if with_dq else None,
+                            dk_acc=message[0][:, c.k0 - k0:c.k1 - k0], dv_acc=message[1][:, c.k0 - k0:c.k1 - k0])
+            return [message[0], message[1]]
+        out = []
+        for c in calls:
             args, kw = call_args(c, kv)
             shape = (b, c.k1 - c.k0, hkv, d)
-            if op.backward_parts is None:
-                dkv = torch.zeros((2, *shape), dtype=acc, device=q.device)
-                op.backward(*args, **kw, dq_acc=dq.accumulator()[:, c.q0:c.q1] if with_dq else None,
-                            dk_acc=dkv[0], dv_acc=dkv[1])
-                messages += [dkv[0], dkv[1]]
-                continue
             g = op.backward_parts(*args, **kw)
             for p in g.dq:
                 dq.add(p, c.q0)
             dtype = message_dtype(op, c, q, k, with_lse)
-            messages += [sum_parts(shape, g.dk, dtype, q.device, acc), sum_parts(shape, g.dv, dtype, q.device, acc)]
-        return messages
+            out += [sum_parts(shape, g.dk, dtype, q.device, acc), sum_parts(shape, g.dv, dtype, q.device, acc)]
+        return out
 
     def remote_dq(plan: Sequence[BlockCall], kv: torch.Tensor) -> None:
         """dq of a held K/V block, each call whole, for an op with `split_backward`."""
@@ -111,27 +118,34 @@ def ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: 
     # the diagonal square (second half of keys) hides the first transfer, the block's first half of
     # keys (three times the work) the gradients' last transfers home
     own_last, own_first = split_keys(plans[0], n // 2)
-    kv_own, bufs, ready, pulled = own_kv(comm, k, v, pull, plans, route)
-    # dk/dv messages: those of one piece in flight (transfers, what was sent, what comes in, by call)
-    # while the next piece is built; waited for once it is built, so the transfers hide behind it and
-    # what is alive stays three pieces, whatever W (`DKV_PIECES`); what came in goes into float32 dk/dv.
-    in_flight: tuple[list, list[torch.Tensor], list[tuple[BlockCall, torch.Tensor, torch.Tensor]]] | None = None
+    kv_own, bufs, ready, pulled_kv = own_kv(comm, k, v, pull, plans, route)
+    # dk/dv messages: those of one piece in flight (NCCL transfers, what was sent, copy-engine pulls, and
+    # what comes in as `(k0, k1, dk, dv)`) while the next piece is built; waited for once it is built, so
+    # the transfers hide behind it and what is alive stays three pieces, whatever W (`DKV_PIECES`); what
+    # came in goes into float32 dk/dv.
+    in_flight: tuple | None = None
 
     def settle() -> None:
         nonlocal in_flight
         if in_flight is None:
             return
-        works, _, received = in_flight
+        works, _, pulls, received = in_flight
         in_flight = None  # the sent tensors go with it
         comm.wait(works, "backward", limit)
-        for c, dk_part, dv_part in received:  # in step and piece order: the same sums on every run
-            dk.accumulator()[:, c.k0:c.k1] += dk_part
-            dv.accumulator()[:, c.k0:c.k1] += dv_part
+        for arrived in pulls:
+            torch.cuda.current_stream().wait_event(arrived)
+        for k0, k1, dk_part, dv_part in received:  # in step and piece order: the same sums on every run
+            dk.accumulator()[:, k0:k1] += dk_part
+            dv.accumulator()[:, k0:k1] += dv_part
 
-    def incoming(c: BlockCall) -> list[torch.Tensor]:
-        """Buffers for the dk, dv that the peer's call `c` on our K/V sends home."""
-        dtype = message_dtype(op, c, q, k, with_lse)
-        return [torch.empty((b, c.k1 - c.k0, hkv, d), dtype=dtype, device=q.device) for _ in range(2)]
+    def incoming(calls: Sequence[BlockCall]) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Buffers `(k0, k1, dk, dv)` for what the peer's `calls` on our K/V send home by NCCL."""
+        if op.backward_parts is None:
+            k0, k1 = key_span(calls)
+            buf = torch.empty((2, b, k1 - k0, hkv, d), dtype=acc, device=q.device)
+            return [(k0, k1, buf[0], buf[1])]
+        return [(c.k0, c.k1, *(torch.empty((b, c.k1 - c.k0, hkv, d), dtype=message_dtype(op, c, q, k, with_lse),
+                                           device=q.device) for _ in range(2))) for c in calls]
 
     # pieces of keys for ops with `split_backward` (dk/dv per piece, dq once per step) from W = 3 on,
     # whole steps otherwise: at W = 2 the one remote step's messages fit the bound whole, and pieces
@@ -148,25 +162,59 @@ def ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: 
             return key_pieces(plan, n, DKV_PIECES)
         return [list(plan)] if plan else []
 
-    for s, kv in held_blocks(comm, (k, v), kv_own, bufs, ready, plans, peer_plans, route, pulled, "backward",
-                              limit):
-        if s == 0:
-            attend_own(own_first)
-            continue
-        # rank (rank + s) mod W attends to our K/V at its step s: its calls say what comes back, piece
-        # by piece as ours go (both ends cut the same plan the same way, so messages pair in order)
-        mine, theirs = pieces(plans[s]), pieces(peer_plans[s])
-        for i in range(max(len(mine), len(theirs))):
-            sent = attend_remote(mine[i], kv, with_dq=not split or dq_per_piece) if i < len(mine) else []
-            settle()  # the previous piece's transfers ran while this one was built
-            received = [(c, *incoming(c)) for c in theirs[i]] if i < len(theirs) else []
-            recvs = [t for _, dk_part, dv_part in received for t in (dk_part, dv_part)]
-            works = comm.send_recv(sent, (comm.rank - s) % comm.world, recvs, (comm.rank + s) % comm.world,
-                                   DKV_TAG, step=s)
-            in_flight = (works, sent, received)
-            del works, sent, received, recvs  # in_flight holds them until settle frees them
-        if split and not dq_per_piece:  # the last piece's messages travel meanwhile
-            remote_dq(plans[s], kv)
-    attend_own(own_last)
-    settle()
+    # float32 messages of pieces pulled home by copy engines where K/V are (`ringlse.ring.dkv_pull`);
+    # every rank makes the same choice (the agreed inputs and transport), and the workspace is collective
+    messages = PulledMessages(comm, k, piece_size(n, DKV_PIECES), acc, limit) \
+        if pull and split and op.backward_parts is None else None
+
+    def span_rows(calls: Sequence[BlockCall]) -> int:
+        k0, k1 = key_span(calls)
+        return k1 - k0
+
+    def by_copy(calls: Sequence[BlockCall]) -> bool:
+        """Whether a piece's message goes by copy engine (both ends decide it from the same calls)."""
+        return messages is not None and bool(calls) and messages.fits(span_rows(calls))
+
+    try:
+        for s, kv in held_blocks(comm, (k, v), kv_own, bufs, ready, plans, peer_plans, route, pulled_kv, "backward",
+                                  limit):
+            if s == 0:
+                attend_own(own_first)
+                continue
+            # rank (rank + s) mod W attends to our K/V at its step s: its calls say what comes back, piece
+            # by piece as ours go (both ends cut the same plan the same way, so messages pair in order)
+            dst, src = (comm.rank - s) % comm.world, (comm.rank + s) % comm.world
+            mine, theirs = pieces(plans[s]), pieces(peer_plans[s])
+            for i in range(max(len(mine), len(theirs))):
+                calls = mine[i] if i < len(mine) else []
+                with_dq = not split or dq_per_piece
+                if by_copy(calls):
+                    attend_remote(calls, kv, with_dq, messages.message(i, span_rows(calls), s))
+                    messages.send(i, dst)
+                    sent = []
+                else:
+                    sent = attend_remote(calls, kv, with_dq) if calls else []
+                settle()  # the previous piece's transfers ran while this one was built
+                calls = theirs[i] if i < len(theirs) else []
+                pulls, received = [], []
+                if by_copy(calls):
+                    k0, k1 = key_span(calls)
+                    buf, arrived = messages.receive(i, src, k1 - k0, s)
+                    pulls, received = [arrived], [(k0, k1, buf[0], buf[1])]
+                elif calls:
+                    received = incoming(calls)
+                recvs = [t for *_, dk_part, dv_part in received for t in (dk_part, dv_part)] if not pulls else []
+                works = comm.send_recv(sent, dst, recvs, src, DKV_TAG, step=s)
+                in_flight = (works, sent, pulls, received)
+                del works, sent, received, recvs  # in_flight holds them until settle frees them
+            if split and not dq_per_piece:  # the last piece's messages travel meanwhile
+                remote_dq(plans[s], kv)
+        attend_own(own_last)
+        settle()
+        if messages is not None:
+            messages.finish()
+    except BaseException:
+        if messages is not None:  # none of our streams may wait on for a peer that is gone
+            messages.release()
+        raise
     return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)

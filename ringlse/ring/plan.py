@@ -293,11 +293,20 @@ def key_pieces(plan: Sequence[BlockCall], n: int, pieces: int) -> list[list[Bloc
     """The calls of `plan` (over `n` local keys) cut at every multiple of `ceil(n / pieces)` keys
     (rounded up to 64, a kernel tile), lowest keys first, empty pieces left out (`split_keys` at each
     cut; masked calls stay whole, in the last piece). Every rank computes the same pieces of a plan."""
-    per_piece = -(-n // pieces)  # ceil
-    size = 64 * max(1, -(-per_piece // 64))
+    size = piece_size(n, pieces)
     out, rest = [], list(plan)
     for m in range(size, n, size):
         piece, rest = split_keys(rest, m)
         if piece:
             out.append(piece)
     return out + ([rest] if rest else [])
+
+
+def key_span(calls: Sequence[BlockCall]) -> tuple[int, int]:
+    """`(k0, k1)`: the keys from the lowest any of `calls` reads to the highest (a piece's dk/dv message)."""
+    return min(c.k0 for c in calls), max(c.k1 for c in calls)
+
+
+def piece_size(n: int, pieces: int) -> int:
+    """Keys per piece of `key_pieces`: `ceil(n / pieces)` rounded up to 64 (a kernel tile)."""
+    return 64 * max(1, -(-(-(-n // pieces)) // 64))

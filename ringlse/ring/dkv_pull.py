@@ -1,0 +1,219 @@
+"""The backward's float32 dk/dv messages pulled home by copy engines, for rings within one host.
+
+The `triton` ring's dk/dv messages are float32 (what keeps its error flat in W), twice the bytes of
+the K/V they answer. Sent by NCCL, their kernels ran 8-10 ms per call beside the dk/dv kernel that
+holds every SM, against 2.5-4 ms for the cuDNN ring's bf16 ones, and the compute stream idled 3-6 ms
+waiting for them (4xH100, 32K; `benchmarks/NOTES.md`). Copy engines need no SM: a rank builds each
+message in a slot of a buffer in PyTorch's symmetric memory (mapped into every rank of the group by
+CUDA IPC) and its owner copies it home from there with `cudaMemcpyAsync`, as `ringlse.ring.pull`
+does for K/V.
+
+Synchronisation, per slot, by counters in the symmetric memory's signal pads (one per pair of ranks
+and channel), written and awaited by CUDA stream memory operations (`cuStreamWriteValue32`,
+`cuStreamWaitValue32`: no kernel, no SM): once a message is built, the sender's side stream writes
+the message's number into its owner's "ready" counter; the owner's receive stream waits for it,
+copies, and writes the number into the sender's "read" counter; the sender's compute stream waits
+for that (on the side stream) before it builds another message in the slot. Two slots, used by
+alternate pieces, so a rank builds one piece while the last one travels. (The symmetric memory's own
+`wait_signal` spins in a kernel: a kernel module loaded lazily meanwhile waited for it, and the
+release below could not run; seen on 4xH100.)
+
+Faults: at the end of the call (`finish`) the host waits for every message and slot at most `limit`
+(the group's timeout where the call gave none) and raises the ring's `RuntimeError`, naming the step
+and the peer; a rank only ever waits on its own pad, so before raising it sets the counters its
+streams wait for itself (`release`) and nothing is left waiting for a peer that is gone. One gap:
+CUDA's lazy module loading may synchronise the context, so a kernel this process launches for the
+first time while a wait is pending on a dead peer blocks the host there (`CUDA_MODULE_LOADING=EAGER`
+closes it); the fault tests run a good call first.
+
+Used for pieces of keys (`ringlse.ring.backward.DKV_PIECES`, W >= 3) of ops that accumulate dk/dv
+in float32 (`backward_parts` None), under the same switch as the K/V pulls; a piece whose keys do
+not fit a slot (masked calls kept whole) travels by NCCL: both ends decide it from the same plan.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import functools
+import time
+
+import torch
+
+from ringlse.ring.pull import _symm_mem
+
+# channels of the message workspace's signal pads: "ready" and "read" per slot
+_READY, _READ = 0, 2
+SLOTS = 2
+_RELEASED = 0xFFFFFFFF  # a counter past any message number (the waits are "greater or equal")
+
+# per device: (send stream, receive stream); see `ringlse.ring.pull._STREAMS`
+_STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+
+def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    if device.index not in _STREAMS:
+        _STREAMS[device.index] = (torch.cuda.Stream(device=device, priority=-1),
+                                  torch.cuda.Stream(device=device, priority=-1))
+    return _STREAMS[device.index]
+
+
+@functools.cache
+def _memops() -> tuple:
+    """The driver's `cuStreamWriteValue32` and `cuStreamWaitValue32` (through ctypes: torch exposes
+    neither without a kernel)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fns = []
+    for name in ("cuStreamWriteValue32", "cuStreamWaitValue32"):
+        fn = getattr(lib, name + "_v2", None) or getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        fns.append(fn)
+    return tuple(fns)
+
+
+def _memop(which: int, stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Queue on `stream` a write of `value` to `address` (which 0), or a wait until it holds at least
+    `value` (which 1; flags 0 = greater or equal)."""
+    err = _memops()[which](ctypes.c_void_p(stream.cuda_stream), address, value, 0)
+    if err != 0:
+        raise RuntimeError(f"ring_attention: CUDA stream memory operation failed (CUresult {err})")
+
+
+class PulledMessages:
+    """One backward call's dk/dv messages in this rank's slots, and the ones it pulls home.
+
+    The workspace (two slots of `slot_rows` keys, `[2, b, rows, hkv, d]` float32 each) lives on the
+    group's `RingComm` (`message_workspaces`: device -> [buffer, handle, slot bytes, views, the rank
+    each slot's last message went to, signal pad addresses, counters]) across calls; growing it is
+    collective, and every rank asks for the same size (from the agreed shapes), so they grow together.
+
+    Args:
+        comm: the ring's `RingComm`.
+        like: a tensor `[b, n, hkv, d]` of this rank's keys (shape, device).
+        slot_rows: keys per slot.
+        dtype: the messages' dtype (float32).
+        limit: how long the host waits for one message or slot (None: the group's timeout).
+    """
+
+    def __init__(self, comm, like: torch.Tensor, slot_rows: int, dtype: torch.dtype,
+                 limit: datetime.timedelta | None):
+        self.comm, self.dtype = comm, dtype
+        b, _, hkv, d = like.shape
+        self.unit = (b, hkv, d)
+        self.slot_rows = slot_rows
+        self.send_stream, self.recv_stream = _streams(like.device)
+        self.limit = limit or comm.timeout()
+        slot_bytes = -(-2 * b * slot_rows * hkv * d * dtype.itemsize // 256) * 256
+        ws = comm.message_workspaces.get(like.device.index)
+        if ws is None or ws[2] < slot_bytes:
+            if ws is not None:
+                comm.retired_workspaces.append(ws)
+            symm_mem = _symm_mem()
+            buf = symm_mem.empty(SLOTS * slot_bytes, dtype=torch.uint8, device=like.device)
+            handle = symm_mem.rendezvous(buf, comm.group_or_world())
+            ws = comm.message_workspaces[like.device.index] = [buf, handle, slot_bytes, {}, [None] * SLOTS, {}, {}]
+        self.ws = ws
+        self.waits: list[tuple[int, int]] = []  # (src, channel) of the counters this call waits on
+        self.pending: list[tuple[torch.cuda.Event, int, int, str]] = []  # what `finish` waits for
+
+    def fits(self, rows: int) -> bool:
+        """Whether a message of `rows` keys fits a slot."""
+        return rows <= self.slot_rows
+
+    def _view(self, rank: int, slot: int, rows: int) -> torch.Tensor:
+        """Slot `slot` of rank `rank`'s workspace as a `[2, b, rows, hkv, d]` tensor (views kept: making one
+        costs ~50 us of host time)."""
+        _, handle, slot_bytes, views = self.ws[:4]
+        shape = (2, self.unit[0], rows, *self.unit[1:])
+        key = (rank, slot, shape, self.dtype)
+        view = views.get(key)
+        if view is None:
+            if len(views) >= 256:
+                views.clear()
+            view = views[key] = handle.get_buffer(rank, shape, self.dtype, slot * slot_bytes // self.dtype.itemsize)
+        return view
+
+    def _address(self, rank: int, channel: int, src: int) -> int:
+        """Where the counter of `channel` from group rank `src` lies in group rank `rank`'s signal pad."""
+        pads = self.ws[5]
+        if rank not in pads:
+            pads[rank] = self.ws[1].get_signal_pad(rank, (4 * self.comm.world,), torch.int32).data_ptr()
+        return pads[rank] + 4 * (channel * self.comm.world + src)
+
+    def _signal(self, stream: torch.cuda.Stream, dst: int, channel: int) -> None:
+        """Queue on `stream` the next number of our `channel` counter in rank `dst`'s pad."""
+        key = ("to", dst, channel)
+        n = self.ws[6][key] = self.ws[6].get(key, 0) + 1
+        _memop(0, stream, self._address(dst, channel, self.comm.rank), n)
+
+    def _await(self, stream: torch.cuda.Stream, src: int, channel: int) -> None:
+        """Queue on `stream` a wait for the next number of rank `src`'s `channel` counter in our pad."""
+        key = ("from", src, channel)
+        n = self.ws[6][key] = self.ws[6].get(key, 0) + 1
+        self.waits.append((src, channel))
+        _memop(1, stream, self._address(self.comm.rank, channel, src), n)
+
+    def message(self, piece: int, rows: int, step: int) -> torch.Tensor:
+        """A zeroed `[2, b, rows, hkv, d]` message in piece `piece`'s slot, for the current stream to add
+        dk/dv into, once the owner of the slot's last message has read it (step `step`, for a fault)."""
+        slot = piece % SLOTS
+        last_owner = self.ws[4][slot]
+        if last_owner is not None:
+            self._await(self.send_stream, last_owner, _READ + slot)
+            free = torch.cuda.Event()
+            free.record(self.send_stream)
+            self.pending.append((free, step, last_owner, "it did not read our last dk/dv message"))
+            torch.cuda.current_stream().wait_event(free)
+            self.ws[4][slot] = None
+        msg = self._view(self.comm.rank, slot, rows)
+        msg.zero_()
+        return msg
+
+    def send(self, piece: int, dst: int) -> None:
+        """Piece `piece`'s message (queued on the current stream) goes to group rank `dst`, which pulls it."""
+        slot = piece % SLOTS
+        self.send_stream.wait_stream(torch.cuda.current_stream())
+        self._signal(self.send_stream, dst, _READY + slot)
+        self.ws[4][slot] = dst
+
+    def receive(self, piece: int, src: int, rows: int, step: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Pull group rank `src`'s message of piece `piece` (`rows` keys, step `step`) into a new buffer once
+        it is ready; returns the buffer and the event of its arrival (the current stream waits for it before
+        reading the buffer)."""
+        slot = piece % SLOTS
+        b, hkv, d = self.unit
+        buf = torch.empty((2, b, rows, hkv, d), dtype=self.dtype, device=self.ws[0].device)
+        self.recv_stream.wait_stream(torch.cuda.current_stream())  # the buffer is allocated there
+        self._await(self.recv_stream, src, _READY + slot)
+        with torch.cuda.stream(self.recv_stream):
+            buf.copy_(self._view(src, slot, rows))
+            arrived = torch.cuda.Event()
+            arrived.record(self.recv_stream)
+        self._signal(self.recv_stream, src, _READ + slot)
+        self.pending.append((arrived, step, src, "its dk/dv message did not arrive"))
+        return buf, arrived
+
+    def release(self) -> None:
+        """After a failed call: set every counter this call's streams may still wait for past any message
+        number, so nothing waits on for a peer that is gone (the group is marked failed: nothing reads
+        these counters again)."""
+        stream = torch.cuda.Stream(device=self.ws[0].device)
+        for src, channel in self.waits:
+            _memop(0, stream, self._address(self.comm.rank, channel, src), _RELEASED)
+        stream.synchronize()
+
+    def finish(self) -> None:
+        """At the end of the call: wait on the host, at most `limit` each, until every message came home and
+        every slot was read (the host waits nowhere else: waiting for each piece left the GPU idle, 22.4-24.7
+        against 18.8-19.0 ms per 32K call on 4xH100). Past it, release this call's waits and raise the ring's
+        `RuntimeError` naming the step and the peer. Queued after the call's last block, which the GPU is
+        still computing, so this costs the GPU nothing."""
+        for done, step, peer, what in self.pending:
+            deadline = time.monotonic() + self.limit.total_seconds()
+            while not done.query():
+                if time.monotonic() > deadline:
+                    self.release()
+                    raise self.comm.fault("backward", step, [peer], TimeoutError(f"{what} within {self.limit}"))
+                time.sleep(2e-5)
+        self.pending.clear()
