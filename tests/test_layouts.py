@@ -11,7 +11,7 @@ import torch
 
 from ringlse.ring.plan import LAYOUTS, local_positions, plan_step
 from ringlse.masks import BlockKind, block_kind, visibility_mask
-from ringlse.ring.plan import key_pieces, split_keys
+from ringlse.ring.plan import key_pieces, key_span, piece_size, split_keys
 
 
 def _covered(calls, n: int) -> torch.Tensor:
@@ -57,16 +57,20 @@ def test_split_keys_partitions_the_own_block(layout, world, n, causal):
 
 
 @pytest.mark.parametrize("layout,world,n,causal", [(lay, w, n, c) for lay, w, n, c in
-                                                   itertools.product(LAYOUTS, (3, 4), (130, 150, 256), (False, True))],
+                                                   itertools.product(LAYOUTS, (3, 4), (130, 150, 256, 1000),
+                                                                     (False, True))],
                          ids=lambda x: str(x))
 def test_key_pieces_partition_every_step(layout, world, n, causal):
-    """Pieces of at most 64 keys here (n / 4 rounded up to a tile), in key order, none empty, covering
+    """Pieces of at most `piece_size` keys (n / 4 rounded up to a tile: what a copy-engine dk/dv message
+    slot holds, `ringlse.ring.dkv_pull`), each within one such cut, in key order, none empty, covering
     each step's pairs exactly as its plan does."""
+    size = piece_size(n, 4)
+    assert size % 64 == 0 and size >= n / 4 and size - 64 < max(n / 4, 64)
     for rank, src in itertools.product(range(world), repeat=2):
         plan = plan_step(layout, rank, src, world, n, causal)
         pieces = key_pieces(plan, n, 4)
         assert all(pieces) and sum(map(len, pieces)) >= len(plan)
-        bounds = [(min(c.k0 for c in p), max(c.k1 for c in p)) for p in pieces]
-        assert all(lo // 64 == (hi - 1) // 64 for lo, hi in bounds), bounds
+        bounds = [key_span(p) for p in pieces]
+        assert all(lo // size == (hi - 1) // size for lo, hi in bounds), bounds
         assert all(a[1] <= b[0] for a, b in zip(bounds, bounds[1:])), bounds
         assert torch.equal(_covered([c for p in pieces for c in p], n), _covered(plan, n)), (rank, src)
