@@ -84,7 +84,7 @@ def ring_backward(dout, q, k, v, out, lse, delta, lse_grad, op: BlockOp, scale: 
                       message: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Attend to a held K/V block; returns the dk/dv messages for its owner (`with_dq` False: dk/dv
         alone, in pieces; `remote_dq` then adds dq). Ops that accumulate add every call into one
-        `[2, b, rows, hkv, d]` message over the calls' keys (`span`; `message`: where, zeroed);
+        `[2, b, rows, hkv, d]` message over the calls' keys (`key_span`; `message`: where, zeroed);
         ops that return parts send a dk and a dv per call."""
         if op.backward_parts is None:
             k0, k1 = key_span(calls)
