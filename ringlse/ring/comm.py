@@ -111,7 +111,7 @@ class RingComm:
         # that is with its group
         self.same_host: bool | None = None
         self.pull_workspaces: dict[int, list] = {}
-        self.message_workspaces: dict[int, list] = {}  # the backward's dk/dv slots (`ringlse.ring.dkv_pull`)
+        self.message_workspaces: dict[int, object] = {}  # the backward's dk/dv slots (`ringlse.ring.dkv_pull`)
         self.retired_workspaces: list = []
         # why an earlier call on this group failed (None: none did); see the module docstring
         self.failed: str | None = None

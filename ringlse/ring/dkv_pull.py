@@ -34,6 +34,7 @@ not fit a slot (masked calls kept whole) travels by NCCL: both ends decide it fr
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime
 import functools
 import time
@@ -80,12 +81,24 @@ def _memop(which: int, stream: torch.cuda.Stream, address: int, value: int) -> N
         raise RuntimeError(f"ring_attention: CUDA stream memory operation failed (CUresult {err})")
 
 
+@dataclasses.dataclass
+class _Workspace:
+    """A device's message slots in symmetric memory, kept on the group's `RingComm` across calls."""
+
+    buf: torch.Tensor  # SLOTS slots of `slot_bytes`
+    handle: object  # its symmetric-memory handle (the peers' slots and signal pads)
+    slot_bytes: int
+    views: dict = dataclasses.field(default_factory=dict)  # (rank, slot, shape, dtype) -> tensor
+    owner: list = dataclasses.field(default_factory=lambda: [None] * SLOTS)  # each slot's last message went to
+    pads: dict = dataclasses.field(default_factory=dict)  # rank -> its signal pad's address
+    counts: dict = dataclasses.field(default_factory=dict)  # ("to" | "from", peer, channel) -> last number
+
+
 class PulledMessages:
     """One backward call's dk/dv messages in this rank's slots, and the ones it pulls home.
 
     The workspace (two slots of `slot_rows` keys, `[2, b, rows, hkv, d]` float32 each) lives on the
-    group's `RingComm` (`message_workspaces`: device -> [buffer, handle, slot bytes, views, the rank
-    each slot's last message went to, signal pad addresses, counters]) across calls; growing it is
+    group's `RingComm` (`message_workspaces`: device -> `_Workspace`) across calls; growing it is
     collective, and every rank asks for the same size (from the agreed shapes), so they grow together.
 
     Args:
@@ -106,13 +119,13 @@ class PulledMessages:
         self.limit = limit or comm.timeout()
         slot_bytes = -(-2 * b * slot_rows * hkv * d * dtype.itemsize // 256) * 256
         ws = comm.message_workspaces.get(like.device.index)
-        if ws is None or ws[2] < slot_bytes:
+        if ws is None or ws.slot_bytes < slot_bytes:
             if ws is not None:
                 comm.retired_workspaces.append(ws)
             symm_mem = _symm_mem()
             buf = symm_mem.empty(SLOTS * slot_bytes, dtype=torch.uint8, device=like.device)
             handle = symm_mem.rendezvous(buf, comm.group_or_world())
-            ws = comm.message_workspaces[like.device.index] = [buf, handle, slot_bytes, {}, [None] * SLOTS, {}, {}]
+            ws = comm.message_workspaces[like.device.index] = _Workspace(buf, handle, slot_bytes)
         self.ws = ws
         self.waits: list[tuple[int, int]] = []  # (src, channel) of the counters this call waits on
         self.pending: list[tuple[torch.cuda.Event, int, int, str]] = []  # what `finish` waits for
@@ -124,33 +137,34 @@ class PulledMessages:
     def _view(self, rank: int, slot: int, rows: int) -> torch.Tensor:
         """Slot `slot` of rank `rank`'s workspace as a `[2, b, rows, hkv, d]` tensor (views kept: making one
         costs ~50 us of host time)."""
-        _, handle, slot_bytes, views = self.ws[:4]
+        ws = self.ws
         shape = (2, self.unit[0], rows, *self.unit[1:])
         key = (rank, slot, shape, self.dtype)
-        view = views.get(key)
+        view = ws.views.get(key)
         if view is None:
-            if len(views) >= 256:
-                views.clear()
-            view = views[key] = handle.get_buffer(rank, shape, self.dtype, slot * slot_bytes // self.dtype.itemsize)
+            if len(ws.views) >= 256:
+                ws.views.clear()
+            view = ws.views[key] = ws.handle.get_buffer(rank, shape, self.dtype,
+                                                        slot * ws.slot_bytes // self.dtype.itemsize)
         return view
 
     def _address(self, rank: int, channel: int, src: int) -> int:
         """Where the counter of `channel` from group rank `src` lies in group rank `rank`'s signal pad."""
-        pads = self.ws[5]
+        pads = self.ws.pads
         if rank not in pads:
-            pads[rank] = self.ws[1].get_signal_pad(rank, (4 * self.comm.world,), torch.int32).data_ptr()
+            pads[rank] = self.ws.handle.get_signal_pad(rank, (4 * self.comm.world,), torch.int32).data_ptr()
         return pads[rank] + 4 * (channel * self.comm.world + src)
 
     def _signal(self, stream: torch.cuda.Stream, dst: int, channel: int) -> None:
         """Queue on `stream` the next number of our `channel` counter in rank `dst`'s pad."""
         key = ("to", dst, channel)
-        n = self.ws[6][key] = self.ws[6].get(key, 0) + 1
+        n = self.ws.counts[key] = self.ws.counts.get(key, 0) + 1
         _memop(0, stream, self._address(dst, channel, self.comm.rank), n)
 
     def _await(self, stream: torch.cuda.Stream, src: int, channel: int) -> None:
         """Queue on `stream` a wait for the next number of rank `src`'s `channel` counter in our pad."""
         key = ("from", src, channel)
-        n = self.ws[6][key] = self.ws[6].get(key, 0) + 1
+        n = self.ws.counts[key] = self.ws.counts.get(key, 0) + 1
         self.waits.append((src, channel))
         _memop(1, stream, self._address(self.comm.rank, channel, src), n)
 
@@ -158,14 +172,14 @@ class PulledMessages:
         """A zeroed `[2, b, rows, hkv, d]` message in piece `piece`'s slot, for the current stream to add
         dk/dv into, once the owner of the slot's last message has read it (step `step`, for a fault)."""
         slot = piece % SLOTS
-        last_owner = self.ws[4][slot]
+        last_owner = self.ws.owner[slot]
         if last_owner is not None:
             self._await(self.send_stream, last_owner, _READ + slot)
             free = torch.cuda.Event()
             free.record(self.send_stream)
             self.pending.append((free, step, last_owner, "it did not read our last dk/dv message"))
             torch.cuda.current_stream().wait_event(free)
-            self.ws[4][slot] = None
+            self.ws.owner[slot] = None
         msg = self._view(self.comm.rank, slot, rows)
         msg.zero_()
         return msg
@@ -175,7 +189,7 @@ class PulledMessages:
         slot = piece % SLOTS
         self.send_stream.wait_stream(torch.cuda.current_stream())
         self._signal(self.send_stream, dst, _READY + slot)
-        self.ws[4][slot] = dst
+        self.ws.owner[slot] = dst
 
     def receive(self, piece: int, src: int, rows: int, step: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Pull group rank `src`'s message of piece `piece` (`rows` keys, step `step`) into a new buffer once
@@ -183,7 +197,7 @@ class PulledMessages:
         reading the buffer)."""
         slot = piece % SLOTS
         b, hkv, d = self.unit
-        buf = torch.empty((2, b, rows, hkv, d), dtype=self.dtype, device=self.ws[0].device)
+        buf = torch.empty((2, b, rows, hkv, d), dtype=self.dtype, device=self.ws.buf.device)
         self.recv_stream.wait_stream(torch.cuda.current_stream())  # the buffer is allocated there
         self._await(self.recv_stream, src, _READY + slot)
         with torch.cuda.stream(self.recv_stream):
@@ -198,7 +212,7 @@ class PulledMessages:
         """After a failed call: set every counter this call's streams may still wait for past any message
         number, so nothing waits on for a peer that is gone (the group is marked failed: nothing reads
         these counters again)."""
-        stream = torch.cuda.Stream(device=self.ws[0].device)
+        stream = torch.cuda.Stream(device=self.ws.buf.device)
         for src, channel in self.waits:
             _memop(0, stream, self._address(self.comm.rank, channel, src), _RELEASED)
         stream.synchronize()
