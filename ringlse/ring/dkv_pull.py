@@ -37,27 +37,15 @@ import ctypes
 import dataclasses
 import datetime
 import functools
-import time
 
 import torch
 
-from ringlse.ring.pull import _symm_mem
+from ringlse.ring.pull import _symm_mem, event_within, side_stream
 
 # channels of the message workspace's signal pads: "ready" and "read" per slot
 _READY, _READ = 0, 2
 SLOTS = 2
 _RELEASED = 0xFFFFFFFF  # a counter past any message number (the waits are "greater or equal")
-
-# per device: (send stream, receive stream); see `ringlse.ring.pull._STREAMS`
-_STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-
-
-def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    if device.index not in _STREAMS:
-        _STREAMS[device.index] = (torch.cuda.Stream(device=device, priority=-1),
-                                  torch.cuda.Stream(device=device, priority=-1))
-    return _STREAMS[device.index]
-
 
 @functools.cache
 def _memops() -> tuple:
@@ -115,7 +103,7 @@ class PulledMessages:
         b, _, hkv, d = like.shape
         self.unit = (b, hkv, d)
         self.slot_rows = slot_rows
-        self.send_stream, self.recv_stream = _streams(like.device)
+        self.send_stream, self.recv_stream = side_stream(like.device, "dkv-send"), side_stream(like.device, "dkv-recv")
         self.limit = limit or comm.timeout()
         slot_bytes = -(-2 * b * slot_rows * hkv * d * dtype.itemsize // 256) * 256
         ws = comm.message_workspaces.get(like.device.index)
@@ -224,10 +212,7 @@ class PulledMessages:
         `RuntimeError` naming the step and the peer. Queued after the call's last block, which the GPU is
         still computing, so this costs the GPU nothing."""
         for done, step, peer, what in self.pending:
-            deadline = time.monotonic() + self.limit.total_seconds()
-            while not done.query():
-                if time.monotonic() > deadline:
-                    self.release()
-                    raise self.comm.fault("backward", step, [peer], TimeoutError(f"{what} within {self.limit}"))
-                time.sleep(2e-5)
+            if not event_within(done, self.limit, pause_cap=5e-5):
+                self.release()
+                raise self.comm.fault("backward", step, [peer], TimeoutError(f"{what} within {self.limit}"))
         self.pending.clear()

@@ -34,8 +34,9 @@ from ringlse.ring.comm import Pending
 
 # Workspaces live on the group's `RingComm` (`pull_workspaces`: device -> [buffer, handle, calls
 # published, {(rank, shape, dtype, offset): view}]; outgrown ones in `retired_workspaces`, since peers
-# may still read them), so they are freed when the group is destroyed. The side streams are per device.
-_STREAMS: dict[int, torch.cuda.Stream] = {}
+# may still read them), so they are freed when the group is destroyed. The side streams are per device
+# and role (K/V pulls here; the dk/dv messages' sends and receives in `ringlse.ring.dkv_pull`).
+_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 
 def _symm_mem():
@@ -76,10 +77,25 @@ def use_copy_engines(comm) -> bool:
     return usable and choice != "nccl"
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device.index not in _STREAMS:
-        _STREAMS[device.index] = torch.cuda.Stream(device=device, priority=-1)
-    return _STREAMS[device.index]
+def side_stream(device: torch.device, role: str) -> torch.cuda.Stream:
+    """The high-priority stream of `device` for `role` (made once)."""
+    key = (device.index, role)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device=device, priority=-1)
+    return _STREAMS[key]
+
+
+def event_within(done: torch.cuda.Event, limit: datetime.timedelta, pause_cap: float = 1e-3) -> bool:
+    """Poll `done` on the host until it has happened (True) or `limit` has passed (False), sleeping from
+    50 us up to `pause_cap` seconds between polls."""
+    deadline = time.monotonic() + limit.total_seconds()
+    pause = 5e-5
+    while not done.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, pause_cap)
+    return True
 
 
 class PulledKV:
@@ -108,7 +124,7 @@ class PulledKV:
         self.nbytes = 2 * k.numel() * k.element_size()
         self.workspaces = comm.pull_workspaces
         self.key = k.device.index
-        self.stream = _side_stream(k.device)
+        self.stream = side_stream(k.device, "kv")
         self.arrived: dict[int, torch.cuda.Event] = {}
         self.handle = None
         self.stream.wait_event(ready)
@@ -176,14 +192,9 @@ class PulledKV:
         the ring's `RuntimeError` for a peer that has not (dead or stalled) before any NCCL work is
         queued behind the stuck barrier. An NCCL wait that timed out there aborts its communicator,
         and the abort waited for the barrier's trap: the survivor died without raising (2xH100)."""
-        deadline = time.monotonic() + limit.total_seconds()
-        pause = 5e-5
-        while not self.published.query():
-            if time.monotonic() > deadline:
-                raise self.comm.fault(phase, 0, self.comm.others(), TimeoutError(
-                    f"the peers did not reach the copy-engine barrier within {limit}"))
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+        if not event_within(self.published, limit):
+            raise self.comm.fault(phase, 0, self.comm.others(), TimeoutError(
+                f"the peers did not reach the copy-engine barrier within {limit}"))
 
     def finish(self) -> None:
         """The call is done with its pulls (or makes none: the ranks disagreed, or this rank reads no
