@@ -147,7 +147,7 @@ def _load_tile(descs, smem, bars, info, t, it, count, walk,
     with the tile before last's, then K and V tile by tile, a slot reused once the consumers released it.
     Returns the ring position after it."""
     q_desc, k_desc, v_desc = descs
-    q_smem, k_smem, v_smem, _ = smem
+    q_smem, k_smem, v_smem, _, _, _ = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     SQ = walk[3]
     SK = walk[4]
@@ -230,12 +230,13 @@ def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, 
 @gluon.jit
 def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, qk_scale,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                  CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, TMA_STORE: gl.constexpr):
+                  CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, TMA_STORE: gl.constexpr,
+                  STATE_TMA: gl.constexpr):
     """A consumer warpgroup's share of work tile `tile = (t, n_lo, full_lo, full_hi, n_tiles)` (the
     `count`-th of its program, its first K/V tile the `it`-th through the ring): its 64 query rows (the
     `WG`-th slice) through every key tile, then its own epilogue (the running state folded in with ACCUM;
     O through its Q rows' shared memory and a TMA store with TMA_STORE). Returns the ring position after it."""
-    q_smem, k_smem, v_smem, flag_smem = smem
+    q_smem, k_smem, v_smem, flag_smem, st_smem, st_bar = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls = strides
     num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL, LG_HEADS = walk
@@ -278,6 +279,18 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
     mbarrier.wait(q_ready.index(qs), (count // Q_SLOTS) & 1)
+    if STATE_TMA:
+        # the running state on its way while the key tiles run: O by TMA into this warpgroup's float32
+        # buffer (bulk copies: as plain loads in O's register layout, each warp's request touched eight
+        # 128-byte lines for 256 bytes, and the epilogue waited on the L1 queue and the loads' latency);
+        # issued once Q has landed, so that it does not delay Q
+        st = st_smem.index(WG)
+        tma.store_wait(0)  # (persistent programs: the tile before's state has left the buffer)
+        mbarrier.expect(st_bar.index(WG), o_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(o_desc, [off_b * SQ + r0, off_h * HEAD_D], st_bar.index(WG), st)
+        rows_o = r0 + gl.arange(0, ROWS, orow_layout)
+        old2 = gl.load(Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows_o * stride_ls,
+                       mask=rows_o < SQ, other=float("-inf")) * 1.4426950408889634
     if n_tiles > 0:
         # FlashAttention-3's intra-warpgroup overlap: S of tile i is issued before P V of tile i-1, so
         # the softmax of tile i runs while the tensor cores do P V of tile i-1 (600 against 577 TFLOP/s
@@ -346,14 +359,23 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
               + offs_mo[:, None].to(gl.int64) * stride_os + offs_d[None, :])
     lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + offs_mo * stride_ls
     o_mask = m_ok[:, None] & (offs_d[None, :] < HEAD_D)
-    if ACCUM:
+    if STATE_TMA:
+        mbarrier.wait(st_bar.index(WG), count & 1)
+        m_o, l_o, acc = merge_fold(m_o, l_o, acc, old2, st.load(o_layout), True)
+    elif ACCUM:
         # the running state (lse in base e) is one more state to fold in
         old2 = gl.load(lse_ptrs, mask=m_ok, other=float("-inf")) * 1.4426950408889634
         o_old = gl.load(o_ptrs, mask=o_mask, other=0.0)
         m_o, l_o, acc = merge_fold(m_o, l_o, acc, old2, o_old, True)
     # rows that saw nothing: (0, -inf), never 0/0
     lse2, out = merge_finish(m_o, l_o, acc, True)
-    if TMA_STORE:
+    if STATE_TMA:
+        # back through the same buffer (TMA clips rows past the end); the lse goes while TMA reads it
+        st.store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [off_b * SQ + r0, off_h * HEAD_D], st)
+        gl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=m_ok)
+    elif TMA_STORE:
         # one bulk copy instead of 32 scattered 4-byte stores per thread: the epilogue took ~1.7 us per
         # program that way, a tile's time (H100 timeline, benchmarks/NOTES.md); TMA clips rows past the end
         # (staged in this warpgroup's Q rows, free since its last S; the loader refills them once read.
@@ -365,7 +387,8 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
         mbarrier.arrive(q_empty.index(qs), count=1)
     else:
         gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
-    gl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=m_ok)
+    if not STATE_TMA:
+        gl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=m_ok)
     return it + n_tiles
 
 
@@ -373,7 +396,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
 def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale,
                  WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                  CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, TMA_STORE: gl.constexpr,
-                 PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+                 STATE_TMA: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
     """A consumer warpgroup: its program's work tiles one after the other (DYNAMIC: the ones the loader
     hands it)."""
     it = 0
@@ -383,7 +406,8 @@ def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale,
         # registers the main loop spilled at head dim 64)
         while _peek(info, count) >= 0:
             it = _consume_tile(smem, bars, Out, o_desc, Lse, strides, _receive(info, count), it, count, walk,
-                               qk_scale, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE)
+                               qk_scale, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE,
+                               STATE_TMA)
             count += 1
     elif PERSISTENT:
         # (a tile index that is arithmetic on the program id keeps the walk out of registers: read from
@@ -392,14 +416,18 @@ def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale,
             _, _, _, _, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS)
             it = _consume_tile(smem, bars, Out, o_desc, Lse, strides, (t, n_lo, full_lo, full_hi, n_tiles), it,
                                count, walk, qk_scale, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM,
-                               TMA_STORE)
+                               TMA_STORE, STATE_TMA)
             count += 1
     else:
         # one tile: ring positions known at compile time (a loop of one ran 1.5-2% slower, d 128 causal)
         t = gl.program_id(0)
         _, _, _, _, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS)
         _consume_tile(smem, bars, Out, o_desc, Lse, strides, (t, n_lo, full_lo, full_hi, n_tiles), 0, 0, walk,
-                      qk_scale, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE)
+                      qk_scale, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA)
+    if STATE_TMA:
+        # the last state store must have read its buffer before the program ends (persistent programs
+        # wait only when the buffer is wanted again: the next tile's epilogue runs while it drains)
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -409,7 +437,7 @@ def _attn_fwd_hopper_kernel(
     B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi, Counter, LG_HEADS,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr,
-    DYNAMIC: gl.constexpr, TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    DYNAMIC: gl.constexpr, TMA_STORE: gl.constexpr, STATE_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Persistent: `min(#SMs, work tiles)` programs walk the `cdiv(SQ, BLOCK_M) * B * H` work tiles
     round-robin, or (DYNAMIC) take them from `Counter` (int32, 0 at launch); else one program per work tile.
@@ -419,8 +447,9 @@ def _attn_fwd_hopper_kernel(
     num_m = gl.cdiv(SQ, BLOCK_M)
     dtype: gl.constexpr = q_desc.dtype
     CONSUMERS: gl.constexpr = BLOCK_M // 64
-    # two Q slots in persistent programs: the next tile's Q lands while this one runs
-    Q_SLOTS: gl.constexpr = 2 if PERSISTENT else 1
+    # two Q slots in persistent programs: the next tile's Q lands while this one runs (one with the
+    # merging forward's state buffer, for shared memory; it is freed after the tile's last S)
+    Q_SLOTS: gl.constexpr = 2 if PERSISTENT and not STATE_TMA else 1
     q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS * CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -447,7 +476,16 @@ def _attn_fwd_hopper_kernel(
 
     # each consumer warpgroup's 4 warps' verdicts: did a row's max move (lazy maxima, `_consume_tile`)
     flag_smem = gl.allocate_shared_memory(gl.int32, [CONSUMERS, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    smem = (q_smem, k_smem, v_smem, flag_smem)
+    if STATE_TMA:
+        # the merging forward's float32 state, 64 rows per consumer, and its "landed" barriers
+        st_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+        st_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(CONSUMERS):
+            mbarrier.init(st_bar.index(i), count=1)
+    else:
+        st_smem = q_smem  # (unused)
+        st_bar = q_ready
+    smem = (q_smem, k_smem, v_smem, flag_smem, st_smem, st_bar)
     info = (info_smem, info_ready, info_empty)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     strides = (stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls)
@@ -457,9 +495,9 @@ def _attn_fwd_hopper_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize((
             (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N,
-                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, PERSISTENT, DYNAMIC)),
+                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC)),
             (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N,
-                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, PERSISTENT, DYNAMIC)),
+                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC)),
             (_fwd_load, (descs, smem, bars, info, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, PERSISTENT,
                          DYNAMIC)),
         ), [4, 1], [CONSUMER_REGS, 24])
@@ -467,11 +505,11 @@ def _attn_fwd_hopper_kernel(
         gl.static_assert(CONSUMERS == 3)
         gl.warp_specialize((
             (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N,
-                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, PERSISTENT, DYNAMIC)),
+                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC)),
             (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N,
-                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, PERSISTENT, DYNAMIC)),
+                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC)),
             (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 2, BLOCK_M, BLOCK_N,
-                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, PERSISTENT, DYNAMIC)),
+                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC)),
             (_fwd_load, (descs, smem, bars, info, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, PERSISTENT,
                          DYNAMIC)),
         ), [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -502,6 +540,13 @@ CONFIGS = {
     (128, False): HopperConfig(128, True),
     (128, True): HopperConfig(128, False),
 }
+# the merging forward (float32 state by TMA, 128-row tiles) over causal blocks of up to 16K keys: persistent
+# programs taking tiles from a counter, whose state stores drain while the next tile runs (time over the
+# plain forward's, persistent / one program per tile: 4K d 128 1.025-1.053 / 1.078-1.082, 8K 1.021-1.026 /
+# 1.044, 16K GQA 1.023 / 1.028; from 32K one program per tile wins, 1.00 against 1.017-1.032: H100,
+# merge_probe-NVIDIA_H100_80GB_HBM3.json)
+MERGE_CONFIGS = {**CONFIGS, (128, True): HopperConfig(128, True)}
+MERGE_PERSISTENT_KEYS = 16384
 # interval masks (windows, packed documents): persistent programs taking the tiles from a counter, each
 # tile's walk (its row bounds' loads) and loads hidden behind the tile before: 1.01-1.09x one program
 # per tile (fwd_ab_persistent-NVIDIA_H200.json); 128 rows (192 at d 64 spills ~220 B with the bounds in
@@ -546,12 +591,14 @@ def hopper_forward(
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     intervals = key_lo is not None
-    cfg = config if config is not None else (INTERVAL_CONFIGS[d] if intervals else CONFIGS[(d, causal)])
+    table = MERGE_CONFIGS if accum and sk <= MERGE_PERSISTENT_KEYS else CONFIGS
+    cfg = config if config is not None else (INTERVAL_CONFIGS[d] if intervals else table[(d, causal)])
     block_m, block_n, persistent = cfg.block_m, BLOCK_N, cfg.persistent
     # O through TMA (non-merging 128-row tiles): 1.01-1.09x on H200 (masks, dense d 128); the 192-row (d 64)
     # tiles lost with it, 0.92-0.96x at S 8K (88 B of spills persistent): fwd_ab_tma_store-NVIDIA_H200.json
     tma_store = block_m == 128 and not accum and out.dtype == q.dtype and tma_indexable(out)
-    if b > 1 and (sk % block_n or (tma_store and sq % block_m)):
+    state_tma = block_m == 128 and accum and out.dtype == torch.float32 and tma_indexable(out)
+    if b > 1 and (sk % block_n or ((tma_store or state_tma) and sq % block_m)):
         # the descriptors see the batch as one [b * s] matrix: a partial last key tile would read the next
         # element's first keys (masked, but a NaN or inf there would still reach P V), a partial last O
         # tile would overwrite its first rows; one launch per element lets TMA fill and clip at the end
@@ -561,10 +608,10 @@ def hopper_forward(
         return
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     descs = []
-    # O's descriptor: Q's box over `out` (Q's own, unused, without the TMA store)
-    for t, rows in ((q, 64), (k, block_n), (v, block_n), (out if tma_store else q, 64)):
+    # O's descriptor: Q's box over `out` (Q's own, unused, without either TMA path; float32 for the state)
+    for t, rows in ((q, 64), (k, block_n), (v, block_n), (out if tma_store or state_tma else q, 64)):
         shape, strides = rows_view(t)
-        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.float32 if t.dtype == torch.float32 else gl_dtype)
         descs.append(TensorDescriptor(t, shape, strides, [rows, d], layout))
     consumers = block_m // 64
     # 2 consumers: 12 warps (the loader's warpgroup padded) x 168 registers = 240 per consumer thread, 24 for
@@ -581,7 +628,7 @@ def hopper_forward(
         torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse,
         heads_log2(b * h, 2 * sk * d * k.element_size()),
         HEAD_D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, CAUSAL=causal, INTERVALS=intervals, ACCUM=accum,
-        PERSISTENT=persistent, DYNAMIC=dynamic, TMA_STORE=tma_store, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg,
+        PERSISTENT=persistent, DYNAMIC=dynamic, TMA_STORE=tma_store, STATE_TMA=state_tma, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg,
     )
 
 

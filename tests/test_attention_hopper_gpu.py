@@ -119,6 +119,53 @@ def test_merge_into_state(d, causal, offsets):
     _judge(q, k, v, causal, *offsets, out, lse, state=(torch.where(state_o.isnan(), 0.0, state_o), state_l))
 
 
+def _random_state(shape, lse_shape, seed):
+    """A running state with rows that have seen nothing yet (lse -inf, out NaN: weight 0, ignored)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    state_o = torch.randn(shape, generator=g).cuda()
+    state_l = (torch.randn(lse_shape, generator=g) * 3).cuda()
+    state_l[:, :, ::3] = float("-inf")
+    state_o[:, ::3] = float("nan")
+    return state_o, state_l
+
+
+@pytest.mark.parametrize("config", [hopper.HopperConfig(128, True), hopper.HopperConfig(128, False)],
+                         ids=["m128-persistent", "m128"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_merge_every_config(config, d, causal):
+    """The merging forward's state goes by TMA through shared memory (128-row tiles); persistent programs
+    (more work tiles than SMs) reuse the buffer tile after tile, its store draining while the next tile
+    runs: every tile's state must be read before it is overwritten and written back whole."""
+    q, k, v = _draw(1, 2100, 2100, 24, 8, d, torch.bfloat16, seed=61 + d)
+    state = _random_state(q.shape, (1, 24, 2100), seed=8)
+    out, lse = _run(q, k, v, causal, 0, 0, config=config, state=state)
+    _judge(q, k, v, causal, 0, 0, out, lse, state=(torch.where(state[0].isnan(), 0.0, state[0]), state[1]))
+
+
+@pytest.mark.parametrize("kind", ["window", "documents", "random"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_interval_masks_merge(kind, d):
+    """Interval masks merging into a running state (the ring's windows and documents), rows that see no
+    key of this block keeping their state."""
+    q, k, v = _draw(2, 1500, 1300, 4, 2, d, torch.bfloat16, seed=33)
+    lo, hi = _intervals(1500, 1300, kind, seed=d)
+    scale = d**-0.5
+    state_o, state_l = _random_state(q.shape, (2, 4, 1500), seed=9)
+    out, lse = state_o.clone(), state_l.clone()
+    hopper.hopper_forward(q, k, v, out, lse, softmax_scale=scale, causal=False, offset=0, accum=True,
+                          key_lo=lo, key_hi=hi)
+    state_o = torch.where(state_o.isnan(), 0.0, state_o)
+    ref_o, ref_l = update_out_and_lse(state_o.double(), state_l.double(),
+                                      *_masked_attention(q, k, v, scale, lo, hi, torch.float64))
+    blk_o, blk_l = _masked_attention(q, k, v, scale, lo, hi, torch.bfloat16)
+    base_o, base_l = update_out_and_lse(state_o, state_l, blk_o, blk_l.float())
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "an output element was not written"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_l)), "rows that saw nothing must keep lse -inf"
+    assert_judged("out", out, ref_o, base_o, torch.bfloat16)
+    assert_judged("lse", lse, ref_l, base_l, torch.bfloat16, is_lse=True)
+
+
 @pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
 @pytest.mark.parametrize("mask", ["causal", "full", "documents"])
 def test_fresh_state_is_the_plain_forward(d, mask):
