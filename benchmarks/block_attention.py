@@ -282,15 +282,12 @@ def time_ours(b, h, s, d, causal, dtype=torch.bfloat16, fwd_cfg=None, bwd_cfg=No
                                 k_start=0, out_acc=acc, lse_acc=lacc)
 
         # the merge's cost is a few percent, near the drift of clocks between two timings taken one after
-        # the other: timed in alternation with the plain forward, the better of two medians each (this
-        # run's 8K d 128 causal row still read 1.066 where fwd_ab.py's alternated A/B reads 1.00-1.03 for
-        # the same kernels; NOTES.md, session 29)
-        runs = {"fwd": [], "merge": []}
-        for _ in range(2):
-            runs["fwd"].append(_bench(fwd, n))
-            runs["merge"].append(_bench(merge, n))
-        res["fwd_merge"] = min(runs["merge"])
-        res["fwd_merge_ratio"] = min(runs["merge"]) / min(runs["fwd"])
+        # the other: the plain and merging forwards' launches interleaved (timing.py; as merge_probe.py)
+        from timing import interleaved_ms
+
+        ms = interleaved_ms({"fwd": lambda r: fwd(r % n), "merge": lambda r: merge(r % n)})
+        res["fwd_merge"] = ms["merge"]
+        res["fwd_merge_ratio"] = ms["merge"] / ms["fwd"]
     if "bwd" in which or "dkdv" in which or "dq" in which:
         dq = torch.zeros(b, s, h, d, dtype=torch.float32, device="cuda")
         dk = torch.zeros(sets[0][1].shape, dtype=torch.float32, device="cuda")

@@ -13,7 +13,9 @@ of `STAGES` shared-memory slots, each guarded by a "ready" mbarrier (TMA bytes l
 (the consumers are done reading). Consumers issue `S = Q K^T` from shared memory, do the online softmax
 in registers and issue `O += P V` with P straight from registers, each at its own pace (a row's max moves
 only when it grows by more than 8 in base 2, so most key tiles skip rescaling O); O leaves
-through shared memory and a TMA store (128-row tiles). Programs take one work tile each, or run
+through shared memory and a TMA store (128-row tiles). The merging forward's float32 state comes the
+same way: by TMA into a buffer of its own while the key tiles run, back by TMA after the fold (its store
+drains while a persistent program's next tile runs). Programs take one work tile each, or run
 persistently (`CONFIGS`: measured per head dim and mask): even tiles round-robin, uneven ones (interval
 masks) taken from a global counter by the loader as it goes, which publishes each tile's walk to the
 consumers through a small ring in shared memory, while they finish the tile before.
