@@ -519,7 +519,8 @@ def run_bench(args) -> None:
         gpu=gpu, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
         command=" ".join([os.path.basename(sys.executable)] + sys.argv),
         method="triton.testing.do_bench median (warmup 50 ms, rep 300 ms); inputs rotate among 3 sets when one "
-               "set is under 2x L2; FLOPs 4*B*H*S*S*D (halved causal), backward 2.5x",
+               "set is under 2x L2; FLOPs 4*B*H*S*S*D (halved causal), backward 2.5x; the merge column: the plain "
+               "and merging forwards' launches interleaved (timing.interleaved_ms), medians",
         ours_backward_includes="delta kernel + dk/dv kernel + dq kernel, adding into float32 accumulators",
         tuned_by_sweep_in_this_run=bool(args.sweep),
         configs={str(d): dict(fwd={str(c): asdict(F.fwd_configs(d, torch.bfloat16, c)[0]) for c in (False, True)},
