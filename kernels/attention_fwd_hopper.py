@@ -230,6 +230,13 @@ def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, 
 
 
 @gluon.jit
+def _lse_rows(Lse, strides, off_b, off_h, rows):
+    """The lse's addresses for `rows` of head `off_h` of batch element `off_b`."""
+    _, _, _, stride_lb, stride_lh, stride_ls = strides
+    return Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows * stride_ls
+
+
+@gluon.jit
 def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, qk_scale,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                   CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, TMA_STORE: gl.constexpr,
@@ -291,8 +298,8 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
         mbarrier.expect(st_bar.index(WG), o_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(o_desc, [off_b * SQ + r0, off_h * HEAD_D], st_bar.index(WG), st)
         rows_o = r0 + gl.arange(0, ROWS, orow_layout)
-        old2 = gl.load(Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows_o * stride_ls,
-                       mask=rows_o < SQ, other=float("-inf")) * 1.4426950408889634
+        old2 = gl.load(_lse_rows(Lse, strides, off_b, off_h, rows_o), mask=rows_o < SQ,
+                       other=float("-inf")) * 1.4426950408889634
     if n_tiles > 0:
         # FlashAttention-3's intra-warpgroup overlap: S of tile i is issued before P V of tile i-1, so
         # the softmax of tile i runs while the tensor cores do P V of tile i-1 (600 against 577 TFLOP/s
@@ -359,7 +366,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     m_ok = offs_mo < SQ
     o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
               + offs_mo[:, None].to(gl.int64) * stride_os + offs_d[None, :])
-    lse_ptrs = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + offs_mo * stride_ls
+    lse_ptrs = _lse_rows(Lse, strides, off_b, off_h, offs_mo)
     o_mask = m_ok[:, None] & (offs_d[None, :] < HEAD_D)
     if STATE_TMA:
         mbarrier.wait(st_bar.index(WG), count & 1)
@@ -613,7 +620,8 @@ def hopper_forward(
     # O's descriptor: Q's box over `out` (Q's own, unused, without either TMA path; float32 for the state)
     for t, rows in ((q, 64), (k, block_n), (v, block_n), (out if tma_store or state_tma else q, 64)):
         shape, strides = rows_view(t)
-        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.float32 if t.dtype == torch.float32 else gl_dtype)
+        elem = gl.float32 if t.dtype == torch.float32 else gl_dtype
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], elem)
         descs.append(TensorDescriptor(t, shape, strides, [rows, d], layout))
     consumers = block_m // 64
     # 2 consumers: 12 warps (the loader's warpgroup padded) x 168 registers = 240 per consumer thread, 24 for
@@ -630,7 +638,8 @@ def hopper_forward(
         torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse,
         heads_log2(b * h, 2 * sk * d * k.element_size()),
         HEAD_D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, CAUSAL=causal, INTERVALS=intervals, ACCUM=accum,
-        PERSISTENT=persistent, DYNAMIC=dynamic, TMA_STORE=tma_store, STATE_TMA=state_tma, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg,
+        PERSISTENT=persistent, DYNAMIC=dynamic, TMA_STORE=tma_store, STATE_TMA=state_tma, CONSUMER_REGS=regs,
+        num_warps=4, maxnreg=maxnreg,
     )
 
 
