@@ -30,9 +30,12 @@ def _fmt(x, spec=".2f") -> str:
 def block_attention(d: dict) -> list[str]:
     has_fa4 = any("fa4_fwd_tflops" in r for r in d["rows"])
     fa4_head = " FA4 fwd | FA4 bwd |" if has_fa4 else ""
+    merge_timing = ("the two forwards' launches interleaved, medians" if "interleaved" in d.get("method", "")
+                    else "timed in alternation, the better of two medians each")
     lines = [f"**Block attention** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}; `{d['command']}`), "
              "bf16, TFLOP/s (ratio peer time / ours); merge: time of the forward merging into float32 "
-             "accumulators over the plain forward's (timed in alternation, the better of two medians each):", "",
+             f"accumulators over the plain forward's ({merge_timing}):"
+             + (f" {d['note']}" if d.get("note") else ""), "",
              f"| B×H/KV | S | d | causal | ours fwd | FA2 fwd | cuDNN fwd | ours bwd | FA2 bwd | cuDNN bwd |{fa4_head}"
              " merge |",
              "| --- " * (11 + 2 * has_fa4) + "|"]
