@@ -48,7 +48,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()  # without GPUs: gloo ranks and the `torch` block op (a dry run)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10), pg_options=ringlse.nccl_options())
+        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10),
+                            pg_options=ringlse.nccl_options(datetime.timedelta(minutes=10)))
     else:
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -222,7 +222,8 @@ def main() -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     ringlse.tune_nccl_env()  # the same NCCL settings for ringlse and the peer
-    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10), pg_options=ringlse.nccl_options())
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10),
+                            pg_options=ringlse.nccl_options(datetime.timedelta(minutes=10)))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank)
     backends = args.backends or [b for b in ("triton", "sdpa", "flash") if b in ringlse.available_backends(device)]

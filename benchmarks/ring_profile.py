@@ -128,7 +128,8 @@ def main() -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     ringlse.tune_nccl_env()  # the same NCCL settings for ringlse and the peer
-    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5), pg_options=ringlse.nccl_options())
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5),
+                            pg_options=ringlse.nccl_options(datetime.timedelta(minutes=5)))
     rank, world = dist.get_rank(), dist.get_world_size()
     n, causal = args.seqlen // world, args.causal == "yes"
     mk = lambda h: torch.randn(1, n, h, 128, device="cuda", dtype=torch.bfloat16)

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import ringlse
 from ringlse.integrations import transformers as rt
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
@@ -71,7 +72,10 @@ def setup() -> tuple[int, int, torch.device]:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=120))
+        ringlse.tune_nccl_env()
+    timeout = datetime.timedelta(seconds=120)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
+                            pg_options=ringlse.nccl_options(timeout) if cuda else None)
     return dist.get_rank(), dist.get_world_size(), torch.device("cuda") if cuda else torch.device("cpu")
 
 

@@ -162,9 +162,9 @@ def _rank_main(rank: int, world: int, rdzv: str, backend: str, args: argparse.Na
         ringlse.tune_nccl_env()
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group(backend, init_method=rdzv, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=5),
-                            pg_options=ringlse.nccl_options() if backend == "nccl" else None)
+    timeout = datetime.timedelta(minutes=5)
+    dist.init_process_group(backend, init_method=rdzv, rank=rank, world_size=world, timeout=timeout,
+                            pg_options=ringlse.nccl_options(timeout) if backend == "nccl" else None)
     try:
         codes[rank] = 0 if run(args) else 1
     finally:
@@ -186,8 +186,8 @@ def main(argv=None) -> int:
         if gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             ringlse.tune_nccl_env()
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5),
-                                pg_options=ringlse.nccl_options() if gpu else None)
+        timeout = datetime.timedelta(minutes=5)
+        dist.init_process_group(backend, timeout=timeout, pg_options=ringlse.nccl_options(timeout) if gpu else None)
         try:
             return 0 if run(args) else 1
         finally:

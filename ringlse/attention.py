@@ -142,7 +142,7 @@ def attend_plan(q, k, v, *, causal, softmax_scale, q_start, k_start, window_size
             raise TypeError(f"{what}: {name} must be an int, got {type(value).__name__}")
     window = check_window(window_size, what)
     end = max(q_start + q.shape[1], k_start + k.shape[1])
-    docs = check_docs(cu_seqlens, end, what)
+    docs = check_docs(cu_seqlens, end, what, past_end=True)
     scale = check_scale(softmax_scale, q.shape[-1], what)
     # windows need intervals or an op taking them as a rule (fa4); documents alone are cut into plain
     # calls for ops without intervals, except that `auto` takes an op with intervals for both (one
@@ -181,9 +181,9 @@ def block_attention(
         q_start, k_start: global positions of the first query and key.
         window_size: `(left, right)`: the query at `p` sees keys in `[p - left, p + right]`; -1 is
             unbounded (CONVENTIONS.md §10).
-        cu_seqlens: document boundaries `[0, e1, ..., S]` over global positions, `S` the end of the
-            later of the two blocks; a query sees keys of its own document only. The same for every
-            batch row.
+        cu_seqlens: document boundaries `[0, e1, ..., S]` over global positions, `S` at or past the
+            end of the later of the two blocks (the whole packed sequence's boundaries may be passed
+            as they are); a query sees keys of its own document only. The same for every batch row.
         backend: `auto` (`triton` on CUDA where it computes the dtype, else `sdpa`, else `torch`),
             `triton`, `sdpa`, `flash`, `torch`, or a `BlockOp`. Windows need `torch` (or a backend
             that takes intervals); documents work everywhere (cut into per-document calls where the
@@ -220,7 +220,8 @@ def attention(
     Args:
         q: `[batch, seqlen_q, nheads, headdim]`; k, v: `[batch, seqlen_k, nheads_kv, headdim]`.
         causal, softmax_scale, window_size, backend: as in `block_attention`.
-        cu_seqlens: document boundaries over key positions `[0, ..., seqlen_k]`.
+        cu_seqlens: document boundaries over key positions `[0, ..., seqlen_k]` (a last boundary
+            past `seqlen_k` is allowed).
         return_lse: also return lse `[batch, nheads, seqlen_q]`.
 
     Returns:

@@ -43,9 +43,13 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> N
         raise ValueError(f"{what}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{what}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    b, _, h, d = q.shape
+    if v.dim() == 4 and k.shape[:3] == v.shape[:3] and v.shape[3] != k.shape[3] and k.shape[3] == d:
+        # a missing feature, not a malformed call: say which (DeepSeek-style MLA has d_v < d_qk)
+        raise ValueError(f"{what}: V head dim {v.shape[3]} differs from Q/K head dim {d}: a V head dim other "
+                         "than Q/K's (DeepSeek-style MLA) is not computed by ringlse yet; no backend takes it")
     if k.shape != v.shape:
         raise ValueError(f"{what}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    b, _, h, d = q.shape
     if k.shape[0] != b:
         raise ValueError(f"{what}: batch of q ({b}) and k ({k.shape[0]}) differ")
     if k.shape[3] != d:

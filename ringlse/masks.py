@@ -125,9 +125,11 @@ def check_window(window_size: Sequence[int], what: str) -> tuple[int, int]:
     return left, right
 
 
-def check_docs(cu_seqlens: Sequence[int] | torch.Tensor | None, total: int, what: str) -> tuple[int, ...] | None:
+def check_docs(cu_seqlens: Sequence[int] | torch.Tensor | None, total: int, what: str, *,
+               past_end: bool = False) -> tuple[int, ...] | None:
     """Document boundaries `[0, e1, ..., total]` as a tuple (None: one document); ValueError names
-    boundaries that do not start at 0, end at `total`, or decrease."""
+    boundaries that do not start at 0, end at `total` (with `past_end`, at `total` or later: a block
+    at global positions takes the whole sequence's boundaries), or decrease."""
     if cu_seqlens is None:
         return None
     if isinstance(cu_seqlens, torch.Tensor):
@@ -138,8 +140,9 @@ def check_docs(cu_seqlens: Sequence[int] | torch.Tensor | None, total: int, what
         bounds = tuple(cu_seqlens)
         if any(isinstance(x, bool) or not isinstance(x, int) for x in bounds):
             raise ValueError(f"{what}: cu_seqlens must hold ints, got {cu_seqlens!r}")
-    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total:
-        raise ValueError(f"{what}: cu_seqlens must run from 0 to the sequence length {total}, got {list(bounds)}")
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] < total or (bounds[-1] > total and not past_end):
+        beyond = " or past it (global boundaries)" if past_end else ""
+        raise ValueError(f"{what}: cu_seqlens must run from 0 to the sequence length {total}{beyond}, got {list(bounds)}")
     if any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"{what}: cu_seqlens must not decrease, got {list(bounds)}")
     return bounds

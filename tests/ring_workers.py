@@ -116,6 +116,7 @@ def expect_value_errors(rank, world, layout_bad_n: int) -> list[tuple[str, bool,
     attempt("documents not ending at S", lambda: ringlse.ring_attention(
         r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), cu_seqlens=[0, 4 * world - 1]))
     attempt("unknown backend", lambda: ringlse.ring_attention(r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), backend="nope"))
+    attempt("V head dim differs", lambda: ringlse.ring_attention(r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 4)))
     # only rank 1 (or 0 for W=1) is wrong: the others must not hang in the ring
     bad_rank = min(1, world - 1)
     kd = torch.float16 if rank == bad_rank else torch.float32

@@ -52,6 +52,9 @@ def test_validation_errors(fn):
         f(q, k[..., :8], v[..., :8])
     with pytest.raises(ValueError, match="same shape"):
         f(q, k, v[:, :4])
+    # a V head dim other than Q/K's is a missing feature (MLA), named as such
+    with pytest.raises(ValueError, match="V head dim 8 differs from Q/K head dim 16"):
+        f(q, k, v[..., :8])
     with pytest.raises(ValueError, match="batch"):
         f(q, k.expand(2, 8, 2, 16), v.expand(2, 8, 2, 16))
     with pytest.raises(ValueError, match="not available|unknown backend"):

@@ -221,3 +221,54 @@ def test_triton_kernels_take_windows_and_documents(dtype, device):
                   *low, dout.to(dtype), dlse.to(dtype)) if dtype != torch.float32 else [None] * 5
     for name, a, r, b in zip(("out", "lse", "dq", "dk", "dv"), ours, ref, base):
         assert_judged(name, a.cpu(), r, b, dtype, is_lse=name == "lse")
+
+
+# blocks of a 30-token packed sequence at global positions, taking the whole sequence's boundaries
+GLOBAL_DOCS = [0, 4, 19, 30]
+GLOBAL_BLOCKS = [
+    pytest.param((15, 12, 0, 10), id="q15x12-k0x10"),  # the block ends at 27, the boundaries at 30
+    pytest.param((0, 9, 9, 11), id="q0x9-k9x11"),
+    pytest.param((20, 5, 18, 7), id="q20x5-k18x7"),
+    pytest.param((3, 1, 0, 4), id="q3x1-k0x4"),
+]
+
+
+@pytest.mark.parametrize("block", GLOBAL_BLOCKS)
+@pytest.mark.parametrize("window", [(-1, -1), (3, 0)], ids=["nowindow", "w3_0"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_block_at_offsets_takes_global_boundaries(block, causal, window):
+    """A block at global positions with the packed sequence's boundaries (past the block's end) equals
+    the same block cut from full attention with those documents: float64, forward and backward."""
+    q_start, sq, k_start, sk = block
+    q, k, v, dout, dlse = _inputs(2, sq, sk, 4, 2, 8, seed=sq + sk)
+    ours = _grads(lambda *t: ringlse.block_attention(*t, causal=causal, q_start=q_start, k_start=k_start,
+                                                     window_size=window, cu_seqlens=GLOBAL_DOCS, backend="torch"),
+                  q, k, v, dout, dlse)
+    ref = _grads(lambda *t: oracle(*t, range(q_start, q_start + sq), range(k_start, k_start + sk), causal, window,
+                                   GLOBAL_DOCS), q, k, v, dout, dlse)
+    _check(ours, ref)
+
+
+def test_block_without_intervals_takes_global_boundaries():
+    """A backend without intervals (documents cut into per-document calls) takes them too: the CPU
+    `sdpa` op, float64."""
+    q, k, v, dout, dlse = _inputs(1, 12, 10, 2, 1, 8, seed=3)
+    ours = _grads(lambda *t: ringlse.block_attention(*t, causal=True, q_start=15, k_start=0, cu_seqlens=GLOBAL_DOCS,
+                                                     backend=SDPA_BLOCK_OP), q, k, v, dout, dlse)
+    ref = _grads(lambda *t: oracle(*t, range(15, 27), range(10), True, (-1, -1), GLOBAL_DOCS), q, k, v, dout, dlse)
+    _check(ours, ref)
+
+
+def test_chunked_attention_takes_boundaries_past_the_keys():
+    q, k, v, dout, dlse = _inputs(1, 6, 11, 2, 2, 8, seed=4)
+    bounds = [0, 3, 8, 20]
+    ours = _grads(lambda *t: ringlse.chunked_attention(*t, causal=True, chunk_size=4, cu_seqlens=bounds,
+                                                       return_lse=True, backend="torch"), q, k, v, dout, dlse)
+    ref = _grads(lambda *t: oracle(*t, range(5, 11), range(11), True, (-1, -1), bounds), q, k, v, dout, dlse)
+    _check(ours, ref)
+
+
+def test_boundaries_that_stop_inside_the_block_raise():
+    q, k, v, *_ = _inputs(1, 12, 10, 2, 1, 8, seed=5)
+    with pytest.raises(ValueError, match=r"cu_seqlens must run from 0 to the sequence length 27 or past it"):
+        ringlse.block_attention(q, k, v, q_start=15, cu_seqlens=[0, 4, 19, 26], backend="torch")

@@ -68,6 +68,7 @@ def test_bad_inputs_raise_on_every_rank(world, tmp_path):
     assert "zigzag" in messages["zigzag odd local length"] and str(3 * world) in messages["zigzag odd local length"]
     assert "dtype" in messages["dtype mismatch"]
     assert "multiple of nheads_kv" in messages["heads not divisible"]
+    assert "V head dim 4 differs from Q/K head dim 8" in messages["V head dim differs"]
 
 
 @pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"W{w}")

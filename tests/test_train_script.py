@@ -27,6 +27,7 @@ def test_train_ring_loss_equals_single_process(world, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "warn" not in r.stderr.lower(), r.stderr[-3000:]  # a normal run prints no warning
     record = json.loads((tmp_path / f"train-W{world}-fp32.json").read_text())
     ring, single = record["losses"]["ring"], record["losses"]["single"]
     assert len(ring) == len(single) == 20

@@ -22,6 +22,7 @@ def test_verify_passes_on_two_cpu_ranks():
     r = _run("--seqlen", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--layout", "stripe")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("PASS") == 11, r.stdout  # 5 rows x (causal, non-causal) + the summary
+    assert r.stderr == "", r.stderr  # a normal run prints no warning
 
 
 def test_verify_passes_with_a_window_and_packed_documents():
@@ -72,3 +73,27 @@ def test_torchrun_with_defaults_exits_cleanly_every_time(world, tmp_path):
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
         assert r.returncode == 0, f"run {i + 1} of {TORCHRUN_REPEATS}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
         assert r.stdout.rstrip().endswith("PASS"), r.stdout
+        # nothing but torchrun's own notice (which OMP_NUM_THREADS in the environment silences)
+        assert "warn" not in r.stderr.lower(), r.stderr
+
+
+def test_base_install_depends_on_numpy():
+    """torch warns "Failed to initialize NumPy" at every import without NumPy, so README command 1's
+    base install takes it."""
+    tomllib = pytest.importorskip("tomllib")
+    deps = tomllib.loads((SCRIPT.parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.split(";")[0].strip().startswith("numpy") for d in deps), deps
+
+
+@pytest.mark.skipif(not __import__("torch").distributed.is_nccl_available(), reason="this torch has no NCCL")
+def test_nccl_options_carry_the_process_group_timeout():
+    """torch warns on every rank when `pg_options._timeout` differs from `init_process_group`'s timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import ringlse
+
+    assert ringlse.nccl_options(datetime.timedelta(seconds=77))._timeout == datetime.timedelta(seconds=77)
+    assert ringlse.nccl_options()._timeout == (dist.constants.default_pg_nccl_timeout
+                                               or dist.constants.default_pg_timeout)

@@ -88,3 +88,31 @@ def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] 
         "grad_scale": max(r.abs().max().item() for r in ref_grads),
         "frames": frames,
     }
+
+
+def refused_in_ring(rank: int, world: int) -> dict[str, str]:
+    """Inside `ring()`, keywords the attention does not compute raise on this rank (every rank gets the
+    same keywords); the group still works after them."""
+    import torch.distributed as dist
+
+    from ringlse.integrations import transformers as rt
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    q, k = torch.randn(1, 4, 6, 8, dtype=torch.float64), torch.randn(1, 2, 6, 8, dtype=torch.float64)
+    attempts = {"s_aux": dict(s_aux=torch.zeros(4)), "softcap": dict(softcap=20.0), "mla": dict(v=k[..., :4])}
+    messages = {}
+    with rt.ring(layout="contiguous"):
+        for name, kw in attempts.items():
+            v = kw.pop("v", k)
+            try:
+                rt.attention_forward(Module(), q, k, v, None, **kw)
+                messages[name] = "no error"
+            except (NotImplementedError, ValueError) as e:
+                messages[name] = str(e)
+        out, _ = rt.attention_forward(Module(), q, k, k, None)
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    messages["after"] = "ok" if x.item() == world and out.shape == (1, 6, 4, 8) else "broken"
+    return messages

@@ -20,11 +20,20 @@ including the query) becomes `window_size=(sliding_window - 1, 0)`.
 With transformers >= 4.53 (`masking_utils`) `register()` also registers a mask hook that builds no
 mask, so nothing O(S^2) is allocated. A padding mask cannot be honoured by a ring of packed
 sequences: a 2-D mask with a padded position raises ValueError (packing is the way), and so do a
-model's own extra mask functions (image tokens and the like).
+model's own extra mask functions (image tokens, chunked attention and the like) and queries that do
+not end the keys (a static cache).
+
+Never silently wrong: every keyword transformers passes to the attention function is computed
+(scaling, is_causal, sliding_window, position_ids, cu_seq_lens_q/k), ignored on purpose because it
+carries no attention math (`IGNORED_KEYWORDS`, each with its reason), or refused with an error naming
+the model feature: softcapping (Gemma 2), attention sinks (GPT-OSS), a V head dim other than Q/K's
+(DeepSeek-style MLA), dropout, position biases, sparse indices, attention weights, and any keyword
+this module does not know. Every rank runs the same model, so every rank raises, before any K/V moves.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -106,28 +115,125 @@ def _documents(position_ids: torch.Tensor | None, n: int) -> list[int] | None:
     return [0, *starts, n] if starts else None
 
 
+# Keywords transformers passes to attention functions that carry no attention math for ringlse, each
+# with the reason it may be ignored. Every other keyword either is computed below or raises.
+IGNORED_KEYWORDS: dict[str, str] = {
+    "use_cache": "the cache is updated before the attention function is called",
+    "cache_position": "where the new tokens sit in the cache; the mask hook checks they end the keys",
+    "max_length_q": "a kernel sizing hint implied by cu_seq_lens_q",
+    "max_length_k": "a kernel sizing hint implied by cu_seq_lens_k",
+    "deterministic": "FlashAttention's deterministic-backward switch; ringlse's backward is deterministic",
+    "output_hidden_states": "a switch of the model's outputs",
+    "output_router_logits": "a switch of the model's outputs",
+    "num_items_in_batch": "the loss's normalisation",
+    "return_dict": "a switch of the model's outputs",
+}
+
+# Keywords that change the math, refused (with the model feature they stand for) unless they hold the
+# value that leaves attention plain.
+_REFUSED_KEYWORDS: dict[str, str] = {
+    "softcap": "logit softcapping (Gemma 2's attn_logit_softcapping)",
+    "s_aux": "learnable attention sinks (GPT-OSS)",
+    "sinks": "learnable attention sinks",
+    "position_bias": "an additive position bias (T5-style relative attention)",
+    "head_mask": "a per-head mask",
+    "indices": "sparse attention over selected keys (DeepSeek-V3.2-style indexer)",
+    "topk_indices": "sparse attention over selected keys",
+    "prev_topk_indices": "sparse attention over selected keys",
+    "block_indices": "block-sparse attention",
+    "seq_idx": "per-token sequence indices (pass documents as position_ids or cu_seqlens)",
+}
+
+
+# Keywords computed by `attention_forward` besides its named parameters (documents, flash-attn style).
+_COMPUTED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def _check_keywords(kwargs: dict) -> None:
+    """Raise for a keyword ringlse would otherwise drop while it changes the result (see the module
+    docstring); the same on every rank, since every rank runs the same model."""
+    for name, value in kwargs.items():
+        if name in IGNORED_KEYWORDS or name in _COMPUTED_KEYWORDS:
+            continue
+        if name in _REFUSED_KEYWORDS:
+            if value is None or (name == "softcap" and not value):  # the value that leaves attention plain
+                continue
+            raise NotImplementedError(f"ringlse attention does not compute {_REFUSED_KEYWORDS[name]}: the model "
+                                      f"passes {name}={_describe(value)}; use another attn_implementation")
+        if name == "output_attentions":
+            if value:
+                raise NotImplementedError("ringlse attention returns no attention weights (output_attentions=True); "
+                                          "call the model with output_attentions=False")
+            continue
+        raise NotImplementedError(f"ringlse attention does not know the keyword {name}={_describe(value)} that "
+                                  "the model passes to its attention function, so it cannot tell whether it "
+                                  "changes the result; use another attn_implementation")
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)}>"
+    return repr(value)
+
+
+def _check_head_dims(query: torch.Tensor, value: torch.Tensor) -> None:
+    if value.shape[-1] != query.shape[-1]:
+        raise NotImplementedError(f"ringlse attention: V head dim {value.shape[-1]} differs from Q/K head dim "
+                                  f"{query.shape[-1]} (DeepSeek-style MLA): a V head dim other than Q/K's is not "
+                                  "computed by ringlse yet; use another attn_implementation")
+
+
+def _flash_documents(kwargs: dict, position_docs: list[int] | None, n: int, batch: int) -> list[int] | None:
+    """Documents from flash-attn's packed keywords (`cu_seq_lens_q/k`, DataCollatorWithFlattening's),
+    which must agree with each other and with position restarts."""
+    cq, ck = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cq is None and ck is None:
+        return position_docs
+    if cq is None or ck is None or not torch.equal(torch.as_tensor(cq).cpu(), torch.as_tensor(ck).cpu()):
+        raise NotImplementedError("ringlse attention: cu_seq_lens_q and cu_seq_lens_k differ (queries and keys "
+                                  "packed differently); only self-attention over one packing is computed")
+    docs = [int(x) for x in torch.as_tensor(cq).tolist()]
+    if batch != 1 or docs[-1] != n:
+        raise ValueError(f"ringlse attention: cu_seq_lens_q {docs} must cover the one packed row of {n} tokens "
+                         f"(batch {batch})")
+    if position_docs is not None and position_docs != docs:
+        raise ValueError(f"ringlse attention: cu_seq_lens_q {docs} and the position_ids' restarts "
+                         f"{position_docs} disagree")
+    return docs
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       sliding_window: int | None = None, is_causal: bool | None = None,
                       position_ids: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: `query` `[b, h, s, d]`, `key`/`value`
-    `[b, h_kv, s, d]` -> (`[b, s, h, d]`, no weights)."""
+    `[b, h_kv, s, d]` -> (`[b, s, h, d]`, no weights). Keywords it does not compute raise (see
+    `IGNORED_KEYWORDS` for the few it ignores on purpose)."""
+    _check_keywords(kwargs)
     if dropout:
         raise ValueError("ringlse attention has no dropout: set the config's attention_dropout to 0")
+    _check_head_dims(query, value)
     _check_mask(attention_mask)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = _window(sliding_window, causal)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    packed = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
     if not _ACTIVE:
         if torch.compiler.is_compiling():
+            if packed:
+                raise NotImplementedError("ringlse attention: cu_seq_lens_q/k under torch.compile need "
+                                          "ringlse.integrations.transformers.ring(cu_seqlens=...)")
             docs = None
             if position_ids is not None:  # restarts need cu_seqlens under compile: say so at run time
                 torch._assert_async((position_ids[..., 1:] != 0).all(),
                                     "ringlse: packed position_ids under torch.compile need "
                                     "ringlse.integrations.transformers.ring(cu_seqlens=...)")
         else:
-            docs = _documents(position_ids, q.shape[1])
+            docs = _flash_documents(kwargs, _documents(position_ids, q.shape[1]), q.shape[1], q.shape[0])
         return attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, cu_seqlens=docs), None
+    if packed:
+        raise NotImplementedError("ringlse ring attention: cu_seq_lens_q/k describe this rank's shard, not the "
+                                  "global sequence: pass prepare_batch(...).cu_seqlens to ring() instead")
     r = _ACTIVE[-1]
     if torch.compiler.is_compiling():
         out, _ = library.ring_op(q, k, v, causal=causal, softmax_scale=scaling, group=r.group_name,
@@ -142,14 +248,47 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out, None
 
 
+# transformers' mask functions (masking_utils) whose rule the attention applies itself: causal or not
+# from the module, windows from `sliding_window`, documents from position ids or cu_seqlens, padding
+# from attention_mask (checked there); and the wrappers that only compose or re-index them.
+_PLAIN_MASKS = ("causal_mask_function", "bidirectional_mask_function", "sliding_window_overlay.<locals>.inner_mask",
+                "packed_sequence_mask_function.<locals>.inner_mask", "padding_mask_function.<locals>.inner_mask")
+_MASK_WRAPPERS = {"and_masks.<locals>.and_mask": "mask_functions",
+                  "remap_positions_for_packed_sequence.<locals>.inner_mask": "mask_function",
+                  "add_offsets_to_mask_function.<locals>.inner_mask": "mask_function"}
+
+
+def _unknown_masks(mask_function) -> list[str]:
+    """The parts of a transformers mask function that the attention does not apply (chunked or
+    block-wise attention, bidirectional windows, a model's own functions), by name."""
+    name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
+    if name in _PLAIN_MASKS:
+        return []
+    if name not in _MASK_WRAPPERS:
+        return [name]
+    inner = inspect.getclosurevars(mask_function).nonlocals.get(_MASK_WRAPPERS[name])
+    inner = inner if isinstance(inner, tuple) else (inner,)
+    return [part for fn in inner for part in _unknown_masks(fn)]
+
+
 def _no_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
              mask_function=None, attention_mask: torch.Tensor | None = None, use_vmap: bool = False, **kwargs) -> None:
     """transformers' mask hook for "ringlse": no dense mask is ever built (the attention applies causal,
-    window and documents itself); a padding mask or a model's own mask functions, which it cannot
-    honour, raise instead of being dropped."""
+    window and documents itself); a padding mask, a model's own mask functions, or queries that do
+    not end the keys (a static cache), none of which it can honour, raise instead of being dropped."""
     if use_vmap:  # transformers sets it when a model adds its own mask functions (or_/and_mask_function)
         raise ValueError("ringlse attention cannot apply a model's custom mask functions; use another "
                          "attn_implementation for this model")
+    if not torch.compiler.is_compiling():  # the mask functions are the same traced or not
+        unknown = _unknown_masks(mask_function) if mask_function is not None else []
+        if unknown:
+            raise NotImplementedError(f"ringlse attention cannot apply the model's mask {', '.join(unknown)} (it "
+                                      "applies causal masks, sliding windows and packed documents); use another "
+                                      "attn_implementation for this model")
+    if q_offset - kv_offset != kv_length - q_length:
+        raise NotImplementedError(f"ringlse attention aligns queries to the end of the keys; this call's {q_length} "
+                                  f"queries start at {q_offset} over {kv_length} keys from {kv_offset} (a static or "
+                                  "sliding cache): use a dynamic cache or another attn_implementation")
     if attention_mask is not None:
         if torch.compiler.is_compiling():
             torch._assert_async(attention_mask.all(), "ringlse attention: padded positions in attention_mask")

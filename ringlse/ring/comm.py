@@ -37,20 +37,26 @@ def tune_nccl_env() -> dict[str, str]:
     """Set the NCCL variables the ring's transfers run best with, unless the user set them already.
 
     Call it before `init_process_group` (NCCL reads them when it creates its communicator), and
-    pass `pg_options=ringlse.nccl_options()` there too. Returns the values in effect.
+    pass `pg_options=ringlse.nccl_options(timeout)` there too. Returns the values in effect.
     """
     for key, value in NCCL_RING_ENV.items():
         os.environ.setdefault(key, value)
     return {key: os.environ[key] for key in NCCL_RING_ENV}
 
 
-def nccl_options():
+def nccl_options(timeout: datetime.timedelta | None = None):
     """`ProcessGroupNCCL.Options` with high-priority streams, for `init_process_group(pg_options=...)`
-    (torch's default options switch them off whatever the environment says)."""
+    (torch's default options switch them off whatever the environment says).
+
+    Args:
+        timeout: the `timeout=` given to `init_process_group` (None: torch's NCCL default). The options
+            carry it too, since torch warns on every rank when the two differ.
+    """
     if not dist.is_nccl_available():
         raise RuntimeError("nccl_options: this torch build has no NCCL")
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = os.environ.get("TORCH_NCCL_HIGH_PRIORITY", "1") != "0"
+    options._timeout = timeout or dist.constants.default_pg_nccl_timeout or dist.constants.default_pg_timeout
     return options
 
 
