@@ -71,3 +71,22 @@ def test_snippet_runs(doc, line, world, code, tmp_path):
         run_ranks(ring_snippet, world, tmp_path, code, where, timeout=180)
     else:
         _run(code, where)
+
+
+def test_generated_results_are_current():
+    """docs/results.md and the README's headline table are what benchmarks/report.py makes of
+    benchmarks/results/ (it runs on a CPU and writes nothing with --check)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"), "--check"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_benchmarks_keep_what_a_user_runs():
+    """benchmarks/ holds runnable benchmarks, not probes or A/B scripts; results/ the newest of each."""
+    bench = REPO / "benchmarks"
+    assert not [p.name for p in bench.glob("*.py") if "_probe" in p.name or "_ab" in p.name]
+    assert len(list((bench / "results").iterdir())) <= 40
+    assert not (bench / "NOTES.md").exists()
