@@ -48,7 +48,7 @@ from triton.testing import do_bench
 from ringlse.kernels import log_bmm as kl
 from ringlse.kernels import softmax as ks
 
-# DESIGN §9, one H200, torch 2.11, triton 3.6
+# CONVENTIONS.md §9: peer figures measured on one H200, torch 2.11, triton 3.6
 PEER_FIGURES = {
     "copy_TBps": 4.27,
     "torch_softmax_fp32_fwd_TBps": [2.0, 2.7],
