@@ -40,7 +40,7 @@ FULL_SHAPES = [
     (b, h, s, d, h)
     for d in (128, 64)
     for (b, h, s) in ((2, 16, 4096), (2, 16, 8192), (1, 32, 16384), (1, 32, 32768))
-] + [(1, 32, 16384, 128, 8), (1, 32, 16384, 64, 8)]  # GQA 32/8: the issue's per-FLOP parity rows
+] + [(1, 32, 16384, 128, 8), (1, 32, 16384, 64, 8)]  # GQA 32/8: speed per FLOP with shared K/V heads
 QUICK_SHAPES = [(2, 16, 8192, 128, 16), (1, 32, 16384, 128, 16), (2, 16, 8192, 64, 16), (1, 32, 16384, 128, 8)]
 SWEEP_SHAPES = [(2, 16, 8192, 128), (2, 16, 8192, 64)]
 
@@ -282,7 +282,7 @@ def time_ours(b, h, s, d, causal, dtype=torch.bfloat16, fwd_cfg=None, bwd_cfg=No
                                 k_start=0, out_acc=acc, lse_acc=lacc)
 
         # the merge's cost is a few percent, near the drift of clocks between two timings taken one after
-        # the other: the plain and merging forwards' launches interleaved (timing.py; as merge_probe.py)
+        # the other: the plain and merging forwards' launches interleaved (timing.py)
         from timing import interleaved_ms
 
         ms = interleaved_ms({"fwd": lambda r: fwd(r % n), "merge": lambda r: merge(r % n)})

@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ring import environment  # noqa: E402  (benchmarks/ring.py: GPU, versions, command)
+from timing import environment  # noqa: E402  (benchmarks/timing.py: GPU, versions, command)
 
 import ringlse  # noqa: E402
 from ringlse.blocks import available_backends  # noqa: E402

@@ -67,7 +67,7 @@ def measure(name: str, ours, bare, q, k, v, pairs: int, heads: int, d: int) -> d
         fn(qg, kg, vg).backward(dout)
     # ours and bare alternate over ROUNDS rounds and each keeps the median of its rounds: one pass of each,
     # ours first, put up to 1.17x on one row of a run whose rows all sat within 1.02x (H200, S 16K causal;
-    # the same call timed alone: 1.01-1.05x; NOTES.md)
+    # the same call timed alone: 1.01-1.05x)
     times: dict[str, list[float]] = {}
     for _ in range(ROUNDS):
         for who, fn in (("ours", ours), ("bare", bare)):

@@ -1,4 +1,4 @@
-"""LSE toolkit against PyTorch: softmax / log_softmax / logsumexp and the log-semiring bmm (DESIGN §8, §9).
+"""LSE toolkit against PyTorch: softmax / log_softmax / logsumexp and the log-semiring bmm (CONVENTIONS.md §2.1, §8).
 
 Softmax family, per `rows x cols` (about 64M elements each, so every tensor is several times the L2):
 ours (the `ringlse.kernels.softmax` launchers) vs `torch.softmax` / `torch.log_softmax` /
@@ -27,13 +27,7 @@ Usage: python benchmarks/lse_toolkit.py [--out DIR] [--quick] [--skip tune,famil
     writes DIR/lse_toolkit-<gpu>.json and DIR/lse_toolkit-<gpu>-{softmax,log_bmm}.png; --quick: the
     committed constants (no sweeps), float32 cases and three log_bmm sizes only
 
-One device call (nvidia-h200, about 4 minutes: ~60 kernel compiles for the GPU tests, ~2 minutes of
-benchmark); note `python3 -m pip`: the device's bare `pip` belongs to another interpreter, and an install
-that silently fails leaves `ringlse.kernels` missing:
-    python3 -m pip install -q -e . --no-build-isolation --no-deps > $OUT/pip.log 2>&1 || ln -s ../kernels ringlse/kernels;
-    export PYTHONPATH=$PWD PYTHONUNBUFFERED=1; python3 -c "import ringlse.kernels.softmax, ringlse.kernels.log_bmm";
-    timeout 100 python3 -m pytest tests/test_lse_toolkit_gpu.py -q -m gpu -p no:cacheprovider 2>&1 | tee $OUT/gpu_tests.log | tail -25;
-    timeout 150 python3 benchmarks/lse_toolkit.py --out $OUT 2>&1 | tee $OUT/bench.log | tail -45
+On one H200 a full run takes about 2 minutes after the kernels compile.
 """
 
 from __future__ import annotations
@@ -54,7 +48,7 @@ from triton.testing import do_bench
 from ringlse.kernels import log_bmm as kl
 from ringlse.kernels import softmax as ks
 
-# DESIGN §9, one H200, torch 2.11, triton 3.6
+# CONVENTIONS.md §9: peer figures measured on one H200, torch 2.11, triton 3.6
 PEER_FIGURES = {
     "copy_TBps": 4.27,
     "torch_softmax_fp32_fwd_TBps": [2.0, 2.7],
@@ -64,7 +58,7 @@ PEER_FIGURES = {
 }
 BARS = {
     "softmax_fwd_vs_copy": 0.85,
-    "softmax_bf16_fwd_vs_copy": 0.82,  # (outputs rounded once from float32: NOTES.md, "softmax constants")
+    "softmax_bf16_fwd_vs_copy": 0.82,  # bf16 outputs are rounded once from float32, which costs a little bandwidth
     "softmax_fwd_vs_torch": 1.3,
     "softmax_bwd_vs_torch": 1.2,
     "logsumexp_vs_torch": 4.0,

@@ -6,8 +6,8 @@ with the mask's per-row intervals (computed once, on the GPU, as `ringlse.masks.
 does for every call; their cost is timed apart); dense causal through the plain causal path. Peers,
 in the same process on the same inputs: with --flex, PyTorch's FlexAttention (compiled, block mask);
 with --fa4, FlashAttention-4 (`flash_attn.cute`: windows as `window_size`, documents through
-`flash_attn_varlen_func`), timed as ours are, with its own masked/dense ratios (issue 28's bar for 64
-short documents and the 1K window is ours at least FA4's ratio).
+`flash_attn_varlen_func`), timed as ours are, with its own masked/dense ratios (for 64 short documents
+and the 1K window the fair bar is FA4's own masked/dense ratio).
 FLOPs: 4 * B * H * D * visible pairs (forward), 2.5x that (backward). Times (`timing.abba_ms`): 5 s of
 every side in turn to warm the card, then each side `do_bench`'s median after 2 s of it alone, the
 whole list in order and in reverse, the mean of the two readings; the dense block is listed
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
@@ -33,7 +32,7 @@ from triton.testing import do_bench
 import ringlse
 from ringlse.masks import Rule, Span, block_intervals
 
-sys.path.insert(0, os.path.dirname(__file__))
+# benchmarks/ is sys.path[0] when a script of it runs
 from mask_balance import log_uniform_documents, visible_per_position  # noqa: E402
 from timing import abba_ms  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Peak GPU memory of the ring per rank against single-GPU attention (issue 31), under torchrun:
+"""Peak GPU memory of the ring per rank against single-GPU attention, under torchrun:
 
     torchrun --nproc_per_node=1 benchmarks/memory.py [--seqlens 8192 32768] [--backends triton sdpa]
                                                      [--fake-worlds 2 4 8] [--out DIR]
@@ -18,7 +18,7 @@ allocated before (the inputs, `dout`), after a warm-up call and `gc.collect()`:
     tests/live_bytes.py match real gloo ranks to within 1 KiB (the agreement's few tensors, which
     this skips: `ring_plan(agree=False)`). It shows the point-to-point K/V transport only, never the
     copy-engine pulls that real ranks on one host use.
-Each row carries the bound of the issue: two K/V blocks (bf16) and the float32 accumulators (`out`,
+Each row carries the bound: two K/V blocks (bf16) and the float32 accumulators (`out`,
 `lse`; `dq`, `dk`, `dv`), and what the ring added over the single-GPU peak. Writes
 `DIR/memory-<gpu>.json` (default benchmarks/results).
 """
@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def bound_terms(b: int, n: int, h: int, hkv: int, d: int, itemsize: int) -> dict[str, int]:
-    """The issue's allowance in bytes: two K/V blocks as they travel (input dtype) and the ring's
+    """The allowance in bytes: two K/V blocks as they travel (input dtype) and the ring's
     float32 accumulators, forward (`out`, `lse`) and backward (`dq`, `dk`, `dv`)."""
     kv_block = 2 * b * n * hkv * d * itemsize
     forward_acc = 4 * (b * n * h * d + b * h * n)
@@ -230,7 +230,7 @@ NOTE = ("peak_bytes: torch.cuda.max_memory_allocated over forward + backward min
         "one host pull K/V with copy engines instead, whose buffers may differ). added_bytes = ring "
         "peak - single peak. kind 'torch-cp-<rotate>' is PyTorch context parallel (SDPA, load balancing) "
         "on the same tokens per rank, every rank, measured the same way (added_bytes: over single-GPU "
-        "SDPA). bound_bytes = 2 K/V blocks + float32 accumulators (issue 31).")
+        "SDPA). bound_bytes = 2 K/V blocks + float32 accumulators.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"memory-{tag}.json"
-    result = dict(benchmark="peak memory per rank: ring_attention vs attention (issue 31)", **env,
+    result = dict(benchmark="peak memory per rank: ring_attention vs attention", **env,
                   layout=args.layout, skipped_backends=skipped, note=NOTE, records=records)
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")

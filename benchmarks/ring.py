@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ringlse
+from timing import environment  # GPU, versions, command, NCCL settings of a run
 
 try:
     from tqdm import tqdm
@@ -167,24 +168,6 @@ def mask_inputs(s: int, world: int) -> dict[str, dict]:
         out[name] = dict(kwargs=kwargs, visible_pairs=int(visible_per_position(rule, s).sum()),
                          layout=kwargs["layout"], imbalance=imbalance(rule, kwargs["layout"], world, s))
     return out
-
-
-def environment(world: int) -> dict:
-    import triton
-
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "gpus": world,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
-        "command": "torchrun --nproc_per_node={} {}".format(world, " ".join(sys.argv)),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-        "nccl_env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL_"))},
-        "nccl_high_priority_streams": True,  # init_process_group(pg_options=ringlse.nccl_options())
-    }
 
 
 def plot(records: list[dict], path: Path, world: int, gpu: str) -> None:

@@ -2,20 +2,23 @@
 
 Under a sustained load an H100/H200 runs at its power cap (700 W), and the clock that cap allows falls as
 the card warms: the same forward read 1530 then 1485 MHz twelve seconds apart, a backward 1747 then 1575
-(`clock_probe-*.json`). So a kernel timed after another has run for a while reads slower than it would
-first: timed right after our dense causal block, the same block read 0.89x of itself on an H100
-(`masked_attention`, session 33). Two remedies, for two questions:
+So a kernel timed after another has run for a while reads slower than it would first: timed right
+after our dense causal block, the same block read 0.89x of itself on an H100. Two remedies, for two
+questions:
 - `interleaved_ms`: launches interleaved A B A B, for versions of one kernel (an A/B of a change);
 - `abba_ms`: the card warmed first by all sides in turn; then each side in its own steady state (2 s of
   that side alone before it is timed), the whole list timed in order and in reverse, each side the mean
   of its readings: a drift linear in time cancels. For different kernels (a masked block against the
   dense one, ours against a peer). With 500 ms of warm-up the readings still followed what ran before:
-  FA4's 1K-window forward read 1.10 ms after a memset and 1.22 ms after its backward (H100, session 33):
+  FA4's 1K-window forward read 1.10 ms after a memset and 1.22 ms after its backward (H100):
   the power cap's controller remembers about a second.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
+import sys
 import time
 
 import torch
@@ -72,3 +75,21 @@ def abba_ms(fns: dict, warmup_ms: int = 2000, rep_ms: int = 300, passes: int = 1
             for name in order:
                 readings[name].append(do_bench(fns[name], warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     return readings
+
+
+def environment(world: int) -> dict:
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "gpus": world,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "command": "torchrun --nproc_per_node={} {}".format(world, " ".join(sys.argv)),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "nccl_env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL_"))},
+        "nccl_high_priority_streams": True,  # init_process_group(pg_options=ringlse.nccl_options())
+    }

@@ -350,7 +350,7 @@ def _attn_bwd_dq_kernel(
 def dq_through_tma(dq_acc: torch.Tensor, block_m: int) -> bool:
     """Whether the dq kernel adds its tiles into `dq_acc` (float32 `[b, sq, h, d]`) by a TMA reduce-add:
     on sm_90 (where it was measured: 4-14% faster on windows and packed documents, the same on dense
-    blocks, H200, benchmarks/NOTES.md), head dims 16-128 that are powers of two (the tile is the whole row;
+    blocks, H200), head dims 16-128 that are powers of two (the tile is the whole row;
     at 256 its staging tile would not fit beside the loads), rows TMA can index, and no partial last query
     tile with a next batch element behind it (TMA clips only at the end of the `[b * sq]` rows). One add
     per element either way: deterministic."""

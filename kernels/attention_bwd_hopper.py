@@ -49,7 +49,7 @@ from ringlse.kernels.host import rows_view, tma_indexable
 BLOCK_N = 128  # keys per program (64 per consumer warpgroup)
 # queries per step: 64 (at head dim 128 ptxas spilled 20-104 bytes, dk, dv, S^T, dP^T, P^T and dS^T
 # exceeding a consumer's 240 registers, yet 64-query steps ran 1.16-1.28x faster than 32 without
-# spills, non-causal, and the same causal: H200, benchmarks/NOTES.md)
+# spills, non-causal, and the same causal: H200)
 BLOCK_M = 64
 STAGES = 2
 
@@ -161,7 +161,7 @@ def _dq_write(dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, W: gl.constexpr, HEAD
     a kv head's 64 keys take their dk/dv adds by ascending query head of the group (KvSem; without GQA
     nobody waits on it, and the program ends once its last copy has read the slot). Each add completes
     before its turn passes on, while its slot goes back to the consumers as soon as the copy has read it
-    (x1.00-1.04 over releasing it after the add completed: benchmarks/NOTES.md). (Two writers give each
+    (x1.00-1.04 over releasing it after the add completed). (Two writers give each
     add two steps' time: a poll, an add and its completion in sequence may take longer than one step at
     head dim 64; not measured apart from the other changes of its version.)
 
@@ -285,7 +285,7 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
                 delta = delta_smem.index(s).reshape([BM]).load(col_layout)
             # dP^T - delta: the accumulator starts at -delta (its registers are the MMA's anyway, and delta's
             # are free before P^T): ptxas spilled 232 B at head dim 128 under intervals, 68 B causal, now
-            # 100 and 0; masked x1.02-1.07, dense x1.00-1.04 (fused_dq_ab*_delta_init, benchmarks/NOTES.md).
+            # 100 and 0; masked x1.02-1.07, dense x1.00-1.04 (H200).
             # dS^T's last bits, and so some of its bf16 roundings, differ from the Triton kernels' (they
             # subtract after): gradients within 1e-3 of max |dq| of theirs, no longer bit for bit
             dpt = warpgroup_mma(v_rows, do_buf.permute((1, 0)), st_zero - delta[None, :], is_async=True)
@@ -423,7 +423,7 @@ def _attn_bwd_dkdv_hopper_kernel(
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(do_empty.index(i), count=CONSUMERS)
     # dQ (FUSED) by column halves in both warpgroups at head dim 128 (a [64, 128] float32 accumulator beside
-    # dk and dv spilled), by whole tiles in alternate warpgroups at 64 (benchmarks/NOTES.md)
+    # dk and dv spilled), by whole tiles in alternate warpgroups at 64 (faster there: no spills either way)
     DQ_HALVES: gl.constexpr = FUSED and HEAD_D == 128
     if FUSED:
         # dS^T halves, a pair per stage; one dQ slot per consumer warpgroup (also its dk/dv staging)
@@ -505,7 +505,7 @@ def hopper_dkdv(
 
     Accumulators that TMA can index take the tiles through TMA reduce-adds, others a load, add and store:
     the reduce-add left the programs' ends to the copy engine, 4-13% faster on windows and packed documents
-    and the same on dense blocks (H100, benchmarks/NOTES.md); one add per element, deterministic like the
+    and the same on dense blocks (H100); one add per element, deterministic like the
     other (they differ in the last bit where the load-add-store fuses `dk * scale` into its add)."""
     b, sq, h, d = q.shape
     reduce = tma_indexable(dk_acc) and tma_indexable(dv_acc)
@@ -531,7 +531,7 @@ def hopper_dkdv(
         layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
         descs.append(TensorDescriptor(t, shape, strides, [rows, d], layout))
     # lse and delta rows through TMA with Q and dO, where TMA can index them as [b * h, sq] rows: loaded by
-    # each consumer at each step, their latency sat before P (benchmarks/NOTES.md)
+    # each consumer at each step, their latency sat before P (dk/dv x1.08-1.21 by TMA)
     row_tma = (lse.is_contiguous() and delta.stride() == lse.stride() and sq % 4 == 0
                and lse.data_ptr() % 16 == 0 and delta.data_ptr() % 16 == 0)
     row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)

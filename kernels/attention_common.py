@@ -164,7 +164,7 @@ def block_d(head_dim: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
-# launch configs: candidates best first, timed on H200 (benchmarks/NOTES.md)
+# launch configs: candidates best first, timed on H200
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ def set_tuned_fwd_config(head_dim: int, dtype: torch.dtype, causal: bool, config
 
 
 def fwd_configs(head_dim: int, dtype: torch.dtype, causal: bool) -> list[FwdConfig]:
-    """Candidate configs, best first (timed on H200, see benchmarks/NOTES.md); later ones are
+    """Candidate configs, best first (timed on H200); later ones are
     fallbacks when a config does not fit the GPU's registers or shared memory."""
     if interpreting():
         # small tiles keep the interpreter fast and make small test shapes cross several tiles
@@ -198,7 +198,7 @@ def fwd_configs(head_dim: int, dtype: torch.dtype, causal: bool) -> list[FwdConf
     tuned = [FWD_TUNED[(bd, dtype, causal)]] if (bd, dtype, causal) in FWD_TUNED else []
     if dtype == torch.float32:
         return tuned + [FwdConfig(64, 32, 4, 2), FwdConfig(32, 32, 4, 1)]
-    # sweep on H200 (benchmarks/NOTES.md, step 1): 128x64 tiles, 8 warps won at d=64 and d=128, causal
+    # sweep on H200: 128x64 tiles, 8 warps won at d=64 and d=128, causal
     # or not (4-warp 128-row tiles spill registers at d=128)
     if bd <= 64:
         return tuned + [FwdConfig(128, 64, 8, 4), FwdConfig(128, 64, 4, 3), FwdConfig(64, 64, 4, 2)]
@@ -237,7 +237,7 @@ def set_tuned_bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, config
 
 
 def bwd_configs(head_dim: int, dtype: torch.dtype, causal: bool) -> list[BwdConfig]:
-    """Candidate configs, best first (timed on H200, see benchmarks/NOTES.md); later ones are
+    """Candidate configs, best first (timed on H200); later ones are
     fallbacks for GPUs with fewer registers/shared memory."""
     if interpreting():
         return [BwdConfig(32, 16, 4, 1, 32, 16, 4, 1)]
@@ -245,7 +245,7 @@ def bwd_configs(head_dim: int, dtype: torch.dtype, causal: bool) -> list[BwdConf
     tuned = [BWD_TUNED[(bd, dtype, causal)]] if (bd, dtype, causal) in BWD_TUNED else []
     if dtype == torch.float32:
         return tuned + [BwdConfig(64, 32, 4, 2, 64, 32, 4, 2), BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)]
-    # sweep on H200 (benchmarks/NOTES.md, step 1), each kernel timed alone
+    # sweep on H200, each kernel timed alone
     if bd <= 64:
         kv = (64, 64, 4, 3) if causal else (64, 32, 4, 3)
         return tuned + [BwdConfig(*kv, 128, 32, 8, 3), BwdConfig(64, 32, 4, 2, 64, 32, 4, 2)]

@@ -278,7 +278,7 @@ def _forward_impl(
         return
     if hopper_forward_applies is not None and hopper_forward_applies(q, k, v):
         # sm_90, bf16/fp16, head dim 64/128: the Gluon kernel (TMA, warp-specialized WGMMA), 1.2-1.3x
-        # this one's speed (benchmarks/NOTES.md)
+        # this one's speed on H200
         hopper_forward(q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, offset=offset, accum=accum,
                        key_lo=key_lo, key_hi=key_hi)
         return

@@ -44,7 +44,7 @@ from ringlse.kernels.merge_math import merge_finish, merge_fold
 
 # causal and interval blocks: the heads whose tiles go longest first together, at most 8 and as many as
 # have 16 MB of K/V (a third of the L2): against a head at a time, d 64 causal S 8K x1.03, d 128 x1.02 (4
-# heads), while 8 heads of 16 MB each lost 4-5% (32K causal, 8K windows): fwd_ab_heads_at_once-NVIDIA_H200
+# heads), while 8 heads of 16 MB each lost 4-5% (32K causal, 8K windows; H200)
 HEADS_AT_ONCE = 8
 KV_AT_ONCE = 16 << 20
 
@@ -103,7 +103,7 @@ def _work_tile(t, walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl
 def _publish(info, count, t, n_lo, full_lo, full_hi, n_tiles):
     """The loader tells the consumers their `count`-th work tile (`t < 0`: none left) through a 2-slot
     ring in shared memory: they need not recompute its walk (loads of the row bounds and reductions,
-    ~1.5 us that sat before each tile's first S: H100 timeline, benchmarks/NOTES.md)."""
+    ~1.5 us that sat before each tile's first S on an H100)."""
     info_smem, info_ready, info_empty = info
     slot = count % 2
     mbarrier.wait(info_empty.index(slot), ((count // 2) & 1) ^ 1)
@@ -255,7 +255,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     CONSUMERS: gl.constexpr = q_smem.type.shape[0] // Q_SLOTS
     ROWS: gl.constexpr = q_smem.type.shape[1]
     # lazy maxima (FlashAttention-4's conditional rescaling) in 128-row tiles: x1.004-1.020 on H200, 64
-    # documents of 512 x0.991 (fwd_ab_lazy_rescale_interleaved-NVIDIA_H200.json); 192-row tiles (head dim
+    # documents of 512 x0.991; 192-row tiles (head dim
     # 64) spill 56 B more with them (ptxas), so they rescale every key tile
     LAZY: gl.constexpr = CONSUMERS == 2
     flags = flag_smem.index(WG)
@@ -303,7 +303,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     if n_tiles > 0:
         # FlashAttention-3's intra-warpgroup overlap: S of tile i is issued before P V of tile i-1, so
         # the softmax of tile i runs while the tensor cores do P V of tile i-1 (600 against 577 TFLOP/s
-        # without, hd 128, S 8K, H200: benchmarks/NOTES.md)
+        # without, hd 128, S 8K, H200)
         s = it % STAGES
         k_buf = k_smem.index(s)
         mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
@@ -331,8 +331,8 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
                 # alpha is 1 in every row whose max stayed: most tiles skip the rescaling, a branch the
                 # warpgroup must take as one. Each warp reduces its own 16 rows (shuffles only) and its
                 # verdict goes through shared memory, read after the V slot's release (the compiler adds
-                # two barriers a key tile; a reduction over the warpgroup's 64 rows cost three: x0.95-1.01,
-                # fwd_ab_lazy_rescale_reduce-NVIDIA_H200.json)
+                # two barriers a key tile; a reduction over the warpgroup's 64 rows cost three and
+                # ran x0.95-1.01)
                 flags.store(gl.max(gl.reshape((m_i != m_old).to(gl.int32), [4, ROWS // 4]), 1))
             acc, _ = warpgroup_mma_wait(0, deps=[acc, v_buf])
             mbarrier.arrive(v_empty.index(sp), count=1)
@@ -386,9 +386,9 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
         gl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=m_ok)
     elif TMA_STORE:
         # one bulk copy instead of 32 scattered 4-byte stores per thread: the epilogue took ~1.7 us per
-        # program that way, a tile's time (H100 timeline, benchmarks/NOTES.md); TMA clips rows past the end
+        # program that way, a tile's time on an H100; TMA clips rows past the end
         # (staged in this warpgroup's Q rows, free since its last S; the loader refills them once read.
-        # Waiting for the copy during the next tile's first S instead measured the same: NOTES.md)
+        # Waiting for the copy during the next tile's first S instead measured the same)
         q_rows.store(out.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [off_b * SQ + r0, off_h * HEAD_D], q_rows)
@@ -528,7 +528,7 @@ def _attn_fwd_hopper_kernel(
 # launcher
 
 HEAD_DIMS = (64, 128)
-BLOCK_N = 128  # 64-key tiles (3 stages) ran at 0.84-0.90x the speed of 128 (H200, benchmarks/NOTES.md)
+BLOCK_N = 128  # 64-key tiles (3 stages) ran at 0.84-0.90x the speed of 128 (H200)
 STAGES = 2  # 3 stages measured the same as 2 (within 1%) with more shared memory
 
 
@@ -539,10 +539,10 @@ class HopperConfig:
     # (persistent programs over causal or interval-masked tiles take them from a counter as they go)
 
 
-# (head_dim, causal) -> config, the fastest of the candidates timed on H200 (benchmarks/NOTES.md):
+# (head_dim, causal) -> config, the fastest of the candidates timed on H200:
 # three consumers need head dim 64's smaller registers; causal blocks run one program per tile (a static
 # persistent walk leaves uneven sums of work: 515 against 554 TFLOP/s at hd 128, S 8K; programs taking
-# tiles from a counter lost 1.5-4%: fwd_ab_persistent_causal-NVIDIA_H200.json)
+# tiles from a counter lost 1.5-4%)
 CONFIGS = {
     (64, False): HopperConfig(192, True),
     (64, True): HopperConfig(192, False),
@@ -552,13 +552,13 @@ CONFIGS = {
 # the merging forward (float32 state by TMA, 128-row tiles) over causal blocks of up to 16K keys: persistent
 # programs taking tiles from a counter, whose state stores drain while the next tile runs (time over the
 # plain forward's, persistent / one program per tile: 4K d 128 1.025-1.053 / 1.078-1.082, 8K 1.021-1.026 /
-# 1.044, 16K GQA 1.023 / 1.028; from 32K one program per tile wins, 1.00 against 1.017-1.032: H100,
-# merge_probe-NVIDIA_H100_80GB_HBM3.json)
+# 1.044, 16K GQA 1.023 / 1.028; from 32K one program per tile wins, 1.00 against 1.017-1.032 on
+# an H100)
 MERGE_CONFIGS = {**CONFIGS, (128, True): HopperConfig(128, True)}
 MERGE_PERSISTENT_KEYS = 16384
 # interval masks (windows, packed documents): persistent programs taking the tiles from a counter, each
 # tile's walk (its row bounds' loads) and loads hidden behind the tile before: 1.01-1.09x one program
-# per tile (fwd_ab_persistent-NVIDIA_H200.json); 128 rows (192 at d 64 spills ~220 B with the bounds in
+# per tile (H200); 128 rows (192 at d 64 spills ~220 B with the bounds in
 # registers: ptxas)
 INTERVAL_CONFIGS = {64: HopperConfig(128, True), 128: HopperConfig(128, True)}
 
@@ -604,7 +604,7 @@ def hopper_forward(
     cfg = config if config is not None else (INTERVAL_CONFIGS[d] if intervals else table[(d, causal)])
     block_m, block_n, persistent = cfg.block_m, BLOCK_N, cfg.persistent
     # O through TMA (non-merging 128-row tiles): 1.01-1.09x on H200 (masks, dense d 128); the 192-row (d 64)
-    # tiles lost with it, 0.92-0.96x at S 8K (88 B of spills persistent): fwd_ab_tma_store-NVIDIA_H200.json
+    # tiles lost with it, 0.92-0.96x at S 8K (88 B of spills persistent)
     tma_store = block_m == 128 and not accum and out.dtype == q.dtype and tma_indexable(out)
     state_tma = block_m == 128 and accum and out.dtype == torch.float32 and tma_indexable(out)
     if b > 1 and (sk % block_n or ((tma_store or state_tma) and sq % block_m)):

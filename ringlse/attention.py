@@ -42,7 +42,7 @@ class _CallPlan:
         if self.op.backward_parts is not None:
             # kernels that return their gradients (cuDNN, FlashAttention): one call's outputs are the
             # result as they are, several are summed in one pass; no float32 accumulator is zeroed,
-            # read and rewritten (that cost fa4 up to 1.31x bare FA4's fwd+bwd time; NOTES.md)
+            # read and rewritten (that cost fa4 up to 1.31x bare FA4's fwd+bwd time)
             sums = [PartSum(t.shape, acc, t.device) for t in (q, k, v)]
             for c in self.calls:
                 rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)

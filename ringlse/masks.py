@@ -263,7 +263,7 @@ def planned_intervals(rule: Rule, q: Span, k: Span) -> Intervals:
     at most 64 x 8 bytes x `CACHED_ROWS`). The tensors are shared: readers only. Where CUDA is, they are
     in pinned memory: a kernel's copy of more than 64 KB from pageable memory waits for the GPU to reach
     it, which took the host of a 4-GPU ring over 128K tokens (stripe layout, documents: 32K-row blocks)
-    42 of its 48 ms per call instead of letting it run ahead (`ring_profile.py`, benchmarks/NOTES.md)."""
+    42 of its 48 ms per call instead of letting it run ahead."""
     if q.length + k.length > CACHED_ROWS:
         return _pinned(block_intervals(rule, q, k, device="cpu"))
     return _cached_intervals(rule, q, k)

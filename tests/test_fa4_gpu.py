@@ -1,6 +1,6 @@
 """The `fa4` backend with the real FlashAttention-4 on a GPU (sm90+), against the float64 reference by
 CONVENTIONS.md §7: blocks at every kind of offset, windows, documents, accumulators. Skipped without CUDA
-or FA4 (`../shared/tools/fa4/install.md`)."""
+or FA4 (`pip install flash-attn-4`)."""
 
 from __future__ import annotations
 

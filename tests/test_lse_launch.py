@@ -253,7 +253,7 @@ def test_kernel_log_bmm(lbmm, dims, dtype, scale):
     assert_judged("grad_a", ga, ra, None, torch.float32)
     assert_judged("grad_b", gb, rb, None, torch.float32)
     assert not (out.isnan().any() or ga.isnan().any() or gb.isnan().any())
-    # all -inf entries of out stay -inf and pass exactly zero gradient (DESIGN §2): row N // 2 of batch 0
+    # all -inf entries of out stay -inf and pass exactly zero gradient (CONVENTIONS.md §2): row N // 2 of batch 0
     # and column P - 1 of the last batch
     assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
     assert torch.isneginf(out[0, dims[1] // 2]).all() and torch.isneginf(out[-1, :, -1]).all()

@@ -1,13 +1,13 @@
-"""The LSE toolkit: softmax / log_softmax / logsumexp and the log-semiring bmm (issue 6).
+"""The LSE toolkit: softmax / log_softmax / logsumexp and the log-semiring bmm.
 
 Every numeric check compares with float64 PyTorch math on the same (already rounded) inputs and asserts
-the DESIGN §7 bound through `ringlse.testing.assert_judged`: float32 within `1e-3 * max|ref|`, float16 /
+the CONVENTIONS.md §7 bound through `ringlse.testing.assert_judged`: float32 within `1e-3 * max|ref|`, float16 /
 bfloat16 within twice the error of the same math done naively in that dtype plus the rounding floor.
 Inputs are fresh random draws with `-inf` entries and all `-inf` rows mixed in; kernel outputs are
 poisoned with NaN before the kernel writes them (the launchers take `out=`).
 
 CPU: the PyTorch fallbacks (float64 gradcheck) and the Triton kernels under the interpreter (float32 and
-float16: the interpreter is only trusted for those, DESIGN §7). GPU (`@pytest.mark.gpu`): the public
+float16: the interpreter is only trusted for those, CONVENTIONS.md §7). GPU (`@pytest.mark.gpu`): the public
 functions on CUDA in bf16/fp16/fp32, rows up to 1M columns, and log_bmm.
 
 The kernels' paths are steered through `ringlse.kernels.softmax.config_override` (rows shrunk so that

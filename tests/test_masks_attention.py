@@ -71,7 +71,7 @@ def test_torch_backend_takes_masks_on_the_inputs_device(device):
 def test_planned_intervals_are_pinned_where_cuda_is():
     """Plans keep their intervals on the CPU and the kernels copy them to the GPU on every call: from
     pageable memory a copy of more than 64 KB waits for the GPU to reach it (42 of 48 ms of a 4-GPU ring
-    call's host time, benchmarks/NOTES.md), so they are pinned, cached blocks and larger ones alike."""
+    call's host time), so they are pinned, cached blocks and larger ones alike."""
     from ringlse.masks import CACHED_ROWS, Rule, Span, planned_intervals
 
     rule = Rule(True, docs=(0, 300, CACHED_ROWS))

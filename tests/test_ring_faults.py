@@ -2,7 +2,7 @@
 raise a RuntimeError naming the phase, the step and the peer, in time (never a result without every
 block); bad input raises the same ValueError on every rank; NaN keys reach only the rows that see
 them; memory stays flat over many calls; rings on different groups never cross; the torch backend is
-deterministic. README "Failure behaviour" states what these tests check."""
+deterministic. docs/failures.md states what these tests check."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ class _FakeWork:
 
 def test_wait_names_step_and_peer_and_marks_the_group_failed():
     """`RingComm.wait` on stand-in works: a failure or a `False` from `Work.wait` becomes the
-    RuntimeError of the README (original as `__cause__`); a coalesced work (NCCL batches) names
+    RuntimeError of docs/failures.md (original as `__cause__`); a coalesced work (NCCL batches) names
     every peer of its batch; the comm then refuses further calls."""
     import datetime
 

@@ -1,7 +1,7 @@
-"""What the ring adds to a rank's memory (issue 31): each rank's peak of live tensor bytes over the
+"""What the ring adds to a rank's memory: each rank's peak of live tensor bytes over the
 forward and backward of `ring_attention` against the single-device `ringlse.attention` on the same
 local shapes, on gloo ranks (`live_bytes.LiveBytes`: CPU keeps no allocator statistics), float32,
-causal, W = 2, 3, 4, contiguous and zigzag, MHA and GQA. Issue 31 allows two K/V blocks and the
+causal, W = 2, 3, 4, contiguous and zigzag, MHA and GQA. The bound allows two K/V blocks and the
 float32 accumulators; this version holds three K/V buffers and three pieces of dk/dv messages (a
 quarter block of keys each), nothing that grows with W (the accounting test), and stays within it. The GPU counterpart, with
 `torch.cuda.max_memory_allocated`, is benchmarks/memory.py."""
@@ -64,7 +64,7 @@ def slack_bytes(s: Shape) -> int:
 
 
 def budget(s: Shape) -> int:
-    """Issue 31's bound on what the ring adds: two K/V blocks and the float32 accumulators."""
+    """The bound on what the ring adds: two K/V blocks and the float32 accumulators."""
     return 2 * kv_block_bytes(s) + accumulator_bytes(s) + slack_bytes(s)
 
 
@@ -189,7 +189,7 @@ def test_ring_holds_no_more_than_its_buffers_and_messages(world, measured):
 
 @pytest.mark.parametrize("world", [2, 3, 4], ids=lambda w: f"W{w}")
 def test_ring_adds_at_most_two_kv_blocks_and_its_accumulators(world, measured):
-    """Issue 31's bound: two K/V blocks and the float32 accumulators (`out`, `lse`, `dq`, `dk`, `dv`)."""
+    """The bound: two K/V blocks and the float32 accumulators (`out`, `lse`, `dq`, `dk`, `dv`)."""
     failures = _over(measured, world, lambda s, w: budget(s))
     assert not failures, "\n".join(failures)
 

@@ -1,4 +1,4 @@
-"""Rings whose window (or documents) leave most of another rank's shard unseen (issue 28): exact against
+"""Rings whose window (or documents) leave most of another rank's shard unseen: exact against
 the dense-mask oracle (float64, forward and gradients), and their K/V move only at the steps some rank
 reads, only the rows read, from owner to reader; a plain causal ring still passes whole blocks from
 neighbour to neighbour at every step.

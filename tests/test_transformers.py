@@ -2,8 +2,8 @@
 `attn_implementation="ringlse"`, as a ring on gloo ranks and on one process, eager and compiled,
 against the same model run whole with transformers' own attention (float64).
 
-transformers' `sdpa` attention is exact in float64 on the CPU and is the reference (tolerance 1e-9, the
-issue's); its `eager` attention rounds the softmax to float32, so it is compared at float32's scale."""
+transformers' `sdpa` attention is exact in float64 on the CPU and is the reference (tolerance 1e-9);
+its `eager` attention rounds the softmax to float32, so it is compared at float32's scale."""
 
 from __future__ import annotations
 

@@ -345,7 +345,7 @@ DETERMINISM_GPU = [
 
 def _bitwise_runs(case, device):
     """Two causal forward + backward runs of `attention(backend="triton")` on the same inputs: every
-    output, lse and gradient bitwise equal (issue 31: each dk/dv program owns its key tile, each dq
+    output, lse and gradient bitwise equal (each dk/dv program owns its key tile, each dq
     program its query tile, and adds it once, by a load-add-store or a TMA reduce-add, never racing
     atomics; launch configs are picked first-fit)."""
     b, s, h, hkv, d, dtype, masks = case

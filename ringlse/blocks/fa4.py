@@ -28,7 +28,7 @@ What this module adds, on the shared driver of `ringlse.blocks.fused`:
 - the lse in ringlse's convention (`norm_lse`: `[b, h, sq]` float32, `-inf` on empty rows);
 - a backward that passes the lse gradient to FA4 as `dlse` (`bottom_right_block_op`);
 - head dims refused unless checked: FA4's sm90 backward gives a wrong dq for head dims 8, 16, 40, 48,
-  72, 80, 104 (mod 32 in {8, 16}; H200 and H100, 4.0.0b36; `VERIFIED_HEAD_DIMS`, `benchmarks/NOTES.md`).
+  72, 80, 104 (mod 32 in {8, 16}; H200 and H100, 4.0.0b36; `VERIFIED_HEAD_DIMS`).
 
 Windows and documents: the op takes windows as a rule (`takes_window`: `window_size=` with causal and
 the offsets, mapped to FA4's native bounds by `fa4_mask_args`), not per-row intervals (tensors: reading
@@ -113,7 +113,7 @@ def _interface():
 
 
 # Head dims whose FA4 backward we checked against a float64 reference on sm90 (H200, 4.0.0b36, bf16, causal
-# and not; benchmarks/fa4_head_dims.py): dq is right for these and wrong (relative error 0.3-1.3) for
+# and not, bare FA4 without ringlse): dq is right for these and wrong (relative error 0.3-1.3) for
 # 8, 16, 40, 48, 72, 80, 104 (head dim mod 32 in {8, 16}); the forward, dk and dv were right for all.
 # Head dims not checked (112, 120, 136 and up) are refused too: a wrong gradient is a silent wrong answer.
 VERIFIED_HEAD_DIMS = (24, 32, 56, 64, 88, 96, 128)
@@ -173,7 +173,7 @@ def _fa4_backward(dout, q, k, v, out, lse, causal, scale, dlse=None):
 def fa4_causal_pieces(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int) -> list[Piece]:
     """A causal block at global offsets for FA4: one call with a `Band` where every query row sees its
     first key (`q_start >= k_start`) and the diagonal sits right of FA4's causal one, as bare FA4 takes
-    it (two calls cost up to 1.10x bare FA4's time on H200 at S 8K, d 64; NOTES.md); otherwise the
+    it (two calls cost up to 1.10x bare FA4's time on H200 at S 8K, d 64); otherwise the
     pieces of `split_causal_block_bottom_right`."""
     shift = (q_start - k_start) - (seqlen_k - seqlen_q)
     if q_start >= k_start and shift > 0 and seqlen_q and seqlen_k:

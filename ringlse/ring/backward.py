@@ -1,6 +1,6 @@
 """The ring's backward pass (`ring_backward`), CONVENTIONS.md §6: K/V come round again, dq stays local,
 and each block's dk/dv go straight home to its owner, in pieces of keys where the op allows it, so
-what a rank holds stays bounded whatever W (issue 31's memory bound: two K/V blocks and the float32
+what a rank holds stays bounded whatever W (the memory bound: two K/V blocks and the float32
 accumulators). The loop and the forward are `ringlse.ring.loop`.
 """
 
@@ -21,9 +21,9 @@ from ringlse.ring.transport import DKV_TAG, held_blocks, own_kv
 
 # Ops with `split_backward` send a remote step's float32 dk/dv home in pieces of at most
 # n / DKV_PIECES keys, each sent while the next is built: three pieces are alive at once (one being
-# built, one each way in flight) instead of three blocks' (issue 31's memory bound; NOTES.md). Their
+# built, one each way in flight) instead of three blocks' (the memory bound of CONVENTIONS.md). Their
 # dq is computed once per step, over all keys (pieces with their dq cost 8-10% at W = 2 on 2xH100,
-# without it 3-4%, `dkv_pieces-2xNVIDIA_H100_80GB_HBM3.json`), unless the op adds dq in its dk/dv pass
+# without it 3-4%), unless the op adds dq in its dk/dv pass
 # (`BlockOp.dq_with_dkdv`: the Hopper kernel), which costs nothing more piece by piece.
 DKV_PIECES = 4
 

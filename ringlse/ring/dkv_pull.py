@@ -3,7 +3,7 @@
 The `triton` ring's dk/dv messages are float32 (what keeps its error flat in W), twice the bytes of
 the K/V they answer. Sent by NCCL, their kernels ran 8-10 ms per call beside the dk/dv kernel that
 holds every SM, against 2.5-4 ms for the cuDNN ring's bf16 ones, and the compute stream idled 3-6 ms
-waiting for them (4xH100, 32K; `benchmarks/NOTES.md`). Copy engines need no SM: a rank builds each
+waiting for them (4xH100, 32K). Copy engines need no SM: a rank builds each
 message in a slot of a buffer in PyTorch's symmetric memory (mapped into every rank of the group by
 CUDA IPC) and its owner copies it home from there with `cudaMemcpyAsync`, as `ringlse.ring.pull`
 does for K/V.

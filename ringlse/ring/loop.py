@@ -49,7 +49,7 @@ def _ring_forward(q, k, v, op: BlockOp, scale: float, comm: RingComm, plans, pee
     The packing of K/V is queued first. If by then every rank's part of the agreement is in, `check()`
     returns at once and block 1's transfer is posted before the own block is queued, so the transfer
     overlaps the own block (its launch costs host time: posted after it, a whole first block arrived
-    up to 0.8 ms after the own block ended on 4xH200; NOTES.md). Otherwise the own block is queued
+    up to 0.8 ms after the own block ended on 4xH200). Otherwise the own block is queued
     first, so the GPU works while this rank waits for the others."""
     acc = lse_dtype(q.dtype)
     states = StateMerge(q.shape, acc, q.device) if op.forward_parts is not None else None
