@@ -102,14 +102,13 @@ def single_fn(backend: str):
 def ring_fn(backend: str, layout: str, fake: bool):
     if not fake:
         return lambda q, k, v: ringlse.ring_attention(q, k, v, causal=True, layout=layout, backend=backend)
-    from ringlse.blocks.contract import planned_attention
-    from ringlse.ring.loop import ring_plan
+    from ringlse import ops
+    from ringlse.specs import RingSpec
 
-    def run(q, k, v):  # no agreement: it needs a gloo twin of the group, which a fake group cannot make
-        plan = ring_plan(q, k, v, causal=True, softmax_scale=None, group=None, layout=layout, return_lse=False,
+    # no agreement: it needs a gloo twin of the group, which a fake group cannot make
+    spec = RingSpec.make(causal=True, softmax_scale=None, group=None, layout=layout, return_lse=False,
                          window_size=(-1, -1), cu_seqlens=None, backend=backend, timeout=None, agree=False)
-        return planned_attention(q, k, v, plan)[0]
-    return run
+    return lambda q, k, v: ops.ring(q, k, v, spec)[0]
 
 
 def cp_peaks(mesh, rotate: str, shape: tuple[int, ...], seed: int) -> dict[str, int]:

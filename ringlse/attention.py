@@ -1,161 +1,25 @@
 """Single-device attention over any block op: `block_attention` (one block at global positions),
 `attention` (bottom-right causal), `chunked_attention` (keys in chunks merged by lse, bounded memory)
-and `varlen_attention` (flash-attn's packed layout). Each is a plan of block calls under the autograd
-skeleton of `ringlse.blocks.contract`; masks follow CONVENTIONS.md §4 and §10 (`ringlse.masks`)."""
+and `varlen_attention` (flash-attn's packed layout). Each builds an `AttentionSpec` and takes the one
+autograd path of `ringlse.ops` to a plan of block calls (`ringlse.attention_plan`); masks follow
+CONVENTIONS.md §4 and §10 (`ringlse.masks`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 import torch
 
-from ringlse import library
-from ringlse.blocks import get_block_op
-from ringlse.blocks.contract import BlockCall, BlockOp, StateRows, planned_attention
-from ringlse.checks import check_flag, check_qkv, check_scale, lse_dtype
-from ringlse.masks import BlockKind, Rule, Span, block_kind, check_docs, check_window, planned_intervals
-from ringlse.merge import PartSum
+from ringlse import ops
+from ringlse.blocks.contract import BlockOp
+from ringlse.checks import check_flag, check_tensors
+from ringlse.specs import AttentionSpec
 
 
-class _CallPlan:
-    """Block calls over one q, k, v: a lone call covering everything returns its state as it is;
-    several fill float32 accumulators (`StateRows`: the first call over some rows writes them, later
-    ones merge in place, into views of them)."""
-
-    def __init__(self, op: BlockOp, scale: float, calls: list[BlockCall]):
-        self.op, self.scale, self.calls = op, scale, calls
-
-    def _kw(self, c: BlockCall) -> dict:
-        return dict(softmax_scale=self.scale, **c.block_args())
-
-    def forward(self, q, k, v):
-        sq = q.shape[1]
-        acc = lse_dtype(q.dtype)
-        if len(self.calls) == 1 and self.calls[0][:4] == (0, sq, 0, k.shape[1]):
-            return self.op.forward(q, k, v, **self._kw(self.calls[0]))
-        state = StateRows(q.shape, acc, q.device)
-        for c in self.calls:
-            state.add(self.op, q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1], c.q0, c.q1, **self._kw(c))
-        return state.result()
-
-    def backward(self, dout, q, k, v, out, lse, delta, lse_grad):
-        acc = lse_dtype(q.dtype)
-        if self.op.backward_parts is not None:
-            # kernels that return their gradients (cuDNN, FlashAttention): one call's outputs are the
-            # result as they are, several are summed in one pass; no float32 accumulator is zeroed,
-            # read and rewritten (that cost fa4 up to 1.31x bare FA4's fwd+bwd time)
-            sums = [PartSum(t.shape, acc, t.device) for t in (q, k, v)]
-            for c in self.calls:
-                rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
-                g = self.op.backward_parts(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
-                                           lse[:, :, rows], None if delta is None else delta[:, :, rows],
-                                           **self._kw(c), lse_grad=None if lse_grad is None else lse_grad[:, :, rows])
-                for total, parts, offset in zip(sums, (g.dq, g.dk, g.dv), (c.q0, c.k0, c.k0)):
-                    for part in parts:
-                        total.add(part, offset)
-            return tuple(total.result(t.dtype) for total, t in zip(sums, (q, k, v)))
-        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-        for c in self.calls:
-            rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
-            self.op.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows],
-                             None if delta is None else delta[:, :, rows], **self._kw(c), dq_acc=dq[:, rows],
-                             dk_acc=dk[:, keys], dv_acc=dv[:, keys],
-                             lse_grad=None if lse_grad is None else lse_grad[:, :, rows])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _plain_calls(q0: int, q1: int, k0: int, k1: int, causal: bool, q_start: int, k_start: int) -> list[BlockCall]:
-    """The block rows `[q0, q1)` x `[k0, k1)` at global `q_start`, `k_start` under plain causal (or no)
-    masking: nothing, or one call (causal only where the boundary crosses it)."""
-    kind = block_kind(q1 - q0, k1 - k0, q_start, k_start, causal)
-    if kind is BlockKind.EMPTY:
-        return []
-    partial = kind is BlockKind.PARTIAL
-    return [BlockCall(q0, q1, k0, k1, partial, q_start if partial else 0, k_start if partial else 0)]
-
-
-def _block_calls(op: BlockOp, rule: Rule, q0: int, q1: int, k0: int, k1: int, q_start: int, k_start: int,
-                 what: str) -> Iterator[BlockCall]:
-    """Calls covering rows `[q0, q1)` (global positions from `q_start`) x keys `[k0, k1)` (from
-    `k_start`) under `rule`: plain calls where it is plain, else intervals for ops that take them,
-    else one plain call per document for ops that do not (windows then raise)."""
-    if rule.plain:
-        yield from _plain_calls(q0, q1, k0, k1, rule.causal, q_start, k_start)
-        return
-    if op.takes_intervals:
-        iv = planned_intervals(rule, Span(q_start, q1 - q0), Span(k_start, k1 - k0))
-        kind = iv.kind()
-        if kind is BlockKind.FULL:
-            yield BlockCall(q0, q1, k0, k1, False, 0, 0)
-        elif kind is BlockKind.PARTIAL:
-            yield BlockCall(q0, q1, k0, k1, False, 0, 0, iv)
-        return
-    windowed = rule.window != (-1, -1)
-    if windowed and not op.takes_window:
-        raise ValueError(f"{what}: window_size needs a backend that takes windows; the {op.name!r} block op does not")
-    segments = [(q0, q1, k0, k1)]
-    if rule.docs is not None:  # each document alone is a block of its own
-        segments = [(max(q0, q0 + a - q_start), min(q1, q0 + b - q_start), max(k0, k0 + a - k_start),
-                     min(k1, k0 + b - k_start)) for a, b in zip(rule.docs, rule.docs[1:])]
-    for qa, qb, ka, kb in segments:
-        if qa >= qb or ka >= kb:
-            continue
-        qs, ks = q_start + qa - q0, k_start + ka - k0
-        if not windowed:
-            yield from _plain_calls(qa, qb, ka, kb, rule.causal, qs, ks)
-            continue
-        # a window as a rule: cut to the rows that see keys and the keys they see (`fa4_window_pieces`)
-        iv = planned_intervals(Rule(rule.causal, rule.window), Span(qs, qb - qa), Span(ks, kb - ka))
-        box, kind = iv.box(), iv.kind()
-        if box is None:
-            continue
-        if kind is BlockKind.FULL:
-            yield BlockCall(qa, qb, ka, kb, False, 0, 0)
-            continue
-        r0, r1, c0, c1 = box
-        yield BlockCall(qa + r0, qa + r1, ka + c0, ka + c1, rule.causal, qs + r0, ks + c0, window=rule.window)
-
-
-def _attend(q, k, v, *, causal, softmax_scale, q_start, k_start, window_size, cu_seqlens, chunk_size, backend,
-            what):
-    """`(out, lse)` over key chunks of `chunk_size` (None: one chunk), after every check; `q_start=None`
-    aligns the ends of q and k (bottom-right). Document boundaries index keys and queries alike (both
-    from position 0). Under torch.compile, one `ringlse::attend` op (`ringlse.library`) runs it."""
-    if isinstance(backend, str) and torch.compiler.is_compiling():
-        return library.attend_op(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=q_start,
-                                 k_start=k_start, window_size=window_size, cu_seqlens=cu_seqlens,
-                                 chunk_size=chunk_size, backend=backend, what=what)
-    return planned_attention(q, k, v, attend_plan(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                                  q_start=q_start, k_start=k_start, window_size=window_size,
-                                                  cu_seqlens=cu_seqlens, chunk_size=chunk_size, backend=backend,
-                                                  what=what))
-
-
-def attend_plan(q, k, v, *, causal, softmax_scale, q_start, k_start, window_size, cu_seqlens, chunk_size, backend,
-                what) -> _CallPlan:
-    """The plan of `_attend`'s call (arguments as there), after every check."""
-    check_qkv(q, k, v, what)
-    check_flag(causal, "causal", what)
-    if q_start is None:
-        q_start = k_start + k.shape[1] - q.shape[1]
-    for name, value in (("q_start", q_start), ("k_start", k_start)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{what}: {name} must be an int, got {type(value).__name__}")
-    window = check_window(window_size, what)
-    end = max(q_start + q.shape[1], k_start + k.shape[1])
-    docs = check_docs(cu_seqlens, end, what, past_end=True)
-    scale = check_scale(softmax_scale, q.shape[-1], what)
-    # windows need intervals or an op taking them as a rule (fa4); documents alone are cut into plain
-    # calls for ops without intervals, except that `auto` takes an op with intervals for both (one
-    # launch per block, not per document)
-    windowed = window != (-1, -1)
-    op = get_block_op(backend, q.device, q.dtype, masked=backend == "auto" and (windowed or docs is not None),
-                      head_dim=q.shape[-1], window=windowed)
-    rule = Rule(causal, window, docs)
-    sq, sk = q.shape[1], k.shape[1]
-    step = max(sk if chunk_size is None else chunk_size, 1)
-    calls = [c for k0 in range(0, sk, step)
-             for c in _block_calls(op, rule, 0, sq, k0, min(sk, k0 + step), q_start, k_start + k0, what)]
-    return _CallPlan(op, scale, calls)
+def _attend(q, k, v, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(out, lse)` of one call. Non-tensors and tensors on several devices are refused before the op,
+    whose dispatcher would answer them first; every other check runs inside it."""
+    check_tensors(q, k, v, spec.what)
+    return ops.attend(q, k, v, spec)
 
 
 def block_attention(
@@ -197,9 +61,9 @@ def block_attention(
     Raises:
         ValueError / TypeError: malformed inputs or options, or a backend that cannot run the call.
     """
-    return _attend(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=q_start, k_start=k_start,
-                   window_size=window_size, cu_seqlens=cu_seqlens, chunk_size=None, backend=backend,
-                   what="block_attention")
+    spec = AttentionSpec.make("block_attention", causal=causal, softmax_scale=softmax_scale, q_start=q_start,
+                              k_start=k_start, window_size=window_size, cu_seqlens=cu_seqlens, backend=backend)
+    return _attend(q, k, v, spec)
 
 
 def attention(
@@ -228,9 +92,9 @@ def attention(
         `out` like `q`, or `(out, lse)`.
     """
     check_flag(return_lse, "return_lse", "attention")
-    out, lse = _attend(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=None, k_start=0,
-                       window_size=window_size, cu_seqlens=cu_seqlens, chunk_size=None, backend=backend,
-                       what="attention")
+    spec = AttentionSpec.make("attention", causal=causal, softmax_scale=softmax_scale, q_start=None, k_start=0,
+                              window_size=window_size, cu_seqlens=cu_seqlens, backend=backend)
+    out, lse = _attend(q, k, v, spec)
     return (out, lse) if return_lse else out
 
 
@@ -265,9 +129,10 @@ def chunked_attention(
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunked_attention: chunk_size must be a positive int, got {chunk_size!r}")
     check_flag(return_lse, "return_lse", "chunked_attention")
-    out, lse = _attend(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=None, k_start=0,
-                       window_size=window_size, cu_seqlens=cu_seqlens, chunk_size=chunk_size, backend=backend,
-                       what="chunked_attention")
+    spec = AttentionSpec.make("chunked_attention", causal=causal, softmax_scale=softmax_scale, q_start=None,
+                              k_start=0, window_size=window_size, cu_seqlens=cu_seqlens, backend=backend,
+                              chunk_size=chunk_size)
+    out, lse = _attend(q, k, v, spec)
     return (out, lse) if return_lse else out
 
 
@@ -303,22 +168,12 @@ def varlen_attention(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{what}: {name} must be [total, nheads, headdim], got {getattr(t, 'shape', t)}")
-    check_flag(causal, "causal", what)
     check_flag(return_lse, "return_lse", what)
-    qb, kb = check_docs(cu_seqlens_q, q.shape[0], what), check_docs(cu_seqlens_k, k.shape[0], what)
-    if len(qb) != len(kb):
-        raise ValueError(f"{what}: cu_seqlens_q has {len(qb) - 1} documents, cu_seqlens_k {len(kb) - 1}")
-    window = check_window(window_size, what)
-    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    check_qkv(q4, k4, v4, what)
-    scale = check_scale(softmax_scale, q.shape[-1], what)
-    op = get_block_op(backend, q.device, q.dtype, masked=backend == "auto" and window != (-1, -1),
-                      head_dim=q.shape[-1], window=window != (-1, -1))
-    rule = Rule(causal, window)
-    calls = []
-    for (qa, qe), (ka, ke) in zip(zip(qb, qb[1:]), zip(kb, kb[1:])):
-        # positions: keys at their row index, queries aligned to end with their document's keys
-        q_start = ka + (ke - ka) - (qe - qa)
-        calls += _block_calls(op, rule, qa, qe, ka, ke, q_start, ka, what)
-    out, lse = planned_attention(q4, k4, v4, _CallPlan(op, scale, calls))
+    for name, bounds in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if bounds is None:
+            raise ValueError(f"{what}: {name} must be document boundaries, got None")
+    spec = AttentionSpec.make(what, causal=causal, softmax_scale=softmax_scale, q_start=0, k_start=0,
+                              window_size=window_size, cu_seqlens=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q,
+                              backend=backend)
+    out, lse = _attend(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), spec)
     return (out[0], lse[0]) if return_lse else out[0]

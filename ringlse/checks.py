@@ -30,19 +30,25 @@ def check_scale(softmax_scale: float | None, headdim: int, what: str) -> float:
     return scale
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
-    """Raise ValueError unless q `[b, sq, h, d]`, k/v `[b, sk, hkv, d]` agree (CONVENTIONS.md §1)."""
+def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
+    """TypeError unless q, k, v are tensors; ValueError unless they are on one device."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{what}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
+    """Raise ValueError unless q `[b, sq, h, d]`, k/v `[b, sk, hkv, d]` agree (CONVENTIONS.md §1)."""
+    check_tensors(q, k, v, what)
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{what}: {name} must be [batch, seqlen, nheads, headdim], got shape {tuple(t.shape)}")
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{what}: dtype {q.dtype} is not supported (use one of {SUPPORTED_DTYPES})")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"{what}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{what}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, _, h, d = q.shape
     if v.dim() == 4 and k.shape[:3] == v.shape[:3] and v.shape[3] != k.shape[3] and k.shape[3] == d:
         # a missing feature, not a malformed call: say which (DeepSeek-style MLA has d_v < d_qk)

@@ -203,7 +203,7 @@ def torch_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 class AttentionPlan(Protocol):
-    """What `planned_attention` runs: a block op and how a call uses it, forward and backward."""
+    """What `ringlse.ops` runs: a block op and how a call uses it, forward and backward."""
 
     op: BlockOp
 
@@ -215,28 +215,3 @@ class AttentionPlan(Protocol):
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(dq, dk, dv)` in the inputs' dtypes (`BlockOp.backward_inputs` made `dout`, `delta`,
         `lse_grad`)."""
-
-
-class _PlannedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan: AttentionPlan):
-        ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero gradient
-        out, lse = plan.forward(q, k, v)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, g_out, g_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        dout, delta, lse_grad = plan.op.backward_inputs(g_out, g_lse, out)
-        return (*plan.backward(dout, q, k, v, out, lse, delta, lse_grad), None)
-
-
-def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(out, lse)` of `plan`, differentiable in q, k, v through `out` and `lse` (the one autograd
-    skeleton of single-device, chunked and ring attention)."""
-    return _PlannedAttention.apply(q, k, v, plan)

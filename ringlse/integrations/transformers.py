@@ -42,10 +42,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ringlse import library
 from ringlse.attention import attention
 from ringlse.ring import ring_attention, shard
 from ringlse.ring.plan import default_layout
+from ringlse.specs import group_name
 
 NAME = "ringlse"
 
@@ -78,7 +78,7 @@ def ring(group: dist.ProcessGroup | None = None, layout: str | None = None,
         backend: the block op, as in `ring_attention`.
     """
     bounds = None if cu_seqlens is None else torch.as_tensor(cu_seqlens, dtype=torch.int64, device="cpu")
-    entry = _Ring(group, library.group_name(group), layout or default_layout(True), bounds, backend)
+    entry = _Ring(group, group_name(group), layout or default_layout(True), bounds, backend)
     _ACTIVE.append(entry)
     try:
         yield
@@ -235,15 +235,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise NotImplementedError("ringlse ring attention: cu_seq_lens_q/k describe this rank's shard, not the "
                                   "global sequence: pass prepare_batch(...).cu_seqlens to ring() instead")
     r = _ACTIVE[-1]
-    if torch.compiler.is_compiling():
-        out, _ = library.ring_op(q, k, v, causal=causal, softmax_scale=scaling, group=r.group_name,
-                                 layout=r.layout, window_size=window, cu_seqlens=r.cu_seqlens, backend=r.backend,
-                                 timeout=None)
-        return out, None
-    if r.cu_seqlens is None and position_ids is not None and bool((position_ids[..., 1:] == 0).any()):
+    if r.cu_seqlens is None and position_ids is not None and not torch.compiler.is_compiling() \
+            and bool((position_ids[..., 1:] == 0).any()):
         raise ValueError("ringlse ring attention: position_ids restart inside this rank's shard, but ring() "
                          "got no cu_seqlens: pass prepare_batch(...).cu_seqlens")
-    out = ring_attention(q, k, v, causal=causal, softmax_scale=scaling, group=r.group, layout=r.layout,
+    out = ring_attention(q, k, v, causal=causal, softmax_scale=scaling, group=r.group_name, layout=r.layout,
                          window_size=window, cu_seqlens=r.cu_seqlens, backend=r.backend)
     return out, None
 

@@ -3,7 +3,7 @@
 agreement on inputs before any K/V moves (`agree`)."""
 
 from ringlse.ring.comm import nccl_options, tune_nccl_env
-from ringlse.ring.loop import ring_attention
+from ringlse.ring.api import ring_attention
 from ringlse.ring.plan import LAYOUTS, default_layout, shard, unshard
 
 __all__ = ["LAYOUTS", "default_layout", "nccl_options", "ring_attention", "shard", "tune_nccl_env", "unshard"]

@@ -27,9 +27,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ringlse import library
 from ringlse.blocks import get_block_op
-from ringlse.blocks.contract import BlockOp, StateRows, planned_attention
+from ringlse.blocks.contract import BlockOp, StateRows
 from ringlse.checks import SUPPORTED_DTYPES, check_flag, check_qkv, check_scale, lse_dtype
 from ringlse.masks import Rule, check_docs, check_window
 from ringlse.merge import StateMerge
@@ -175,81 +174,22 @@ def _rule_code(rule: Rule | None) -> list[int]:
     return [*rule.window, len(docs), int.from_bytes(digest, "little")]
 
 
-def ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    group: dist.ProcessGroup | None = None,
-    layout: str | None = None,
-    return_lse: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
-    backend: str | BlockOp = "auto",
-    timeout: datetime.timedelta | float | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact softmax attention over a sequence sharded across the ranks of `group`.
-
-    Args:
-        q: this rank's queries `[batch, n, nheads, headdim]` (n = S / W tokens, placed by `layout`).
-        k, v: this rank's keys/values `[batch, n, nheads_kv, headdim]` (same positions as q; GQA/MQA
-            without repeating K/V).
-        causal: causal mask over global positions.
-        softmax_scale: defaults to `headdim ** -0.5`.
-        group: process group (default: the world; without torch.distributed, a single rank).
-        layout: `zigzag` (default when causal), `contiguous` (default otherwise) or `stripe`; use
-            `ringlse.shard` to split a full sequence the same way.
-        return_lse: also return lse `[batch, nheads, n]` (float32; float64 for float64 inputs).
-        window_size: `(left, right)` at global positions, -1 unbounded (CONVENTIONS.md §10).
-        cu_seqlens: document boundaries over the *global* sequence `[0, ..., S]`, the same on every
-            rank; documents need no divisibility and may cross ranks in any layout. Windows and
-            documents need a backend that takes intervals (`ringlse.available_backends(device,
-            masked=True)`; `auto` picks one).
-        backend: block op: `auto` (`triton` on CUDA, `torch` on CPU), `triton`, `sdpa`, `flash`, `torch`,
-            or a `BlockOp`.
-        timeout: the longest any one wait of this call (the agreement, each K/V transfer, each dk/dv
-            message, forward and backward) may take, as a `datetime.timedelta` or seconds; default:
-            the process group's timeout. On NCCL an explicit one makes the host wait for each
-            transfer (`Work.wait(timeout)`); without it the NCCL watchdog enforces the group's.
-
-    Returns:
-        This rank's `out` `[batch, n, nheads, headdim]` (q's dtype), or `(out, lse)`. Differentiable:
-        autograd returns exact `dq`, `dk`, `dv` for the local shards.
-
-    Raises:
-        ValueError: on every rank, before any K/V moves, when a rank's inputs are invalid (shapes,
-            dtypes, devices, divisibility, timeout) or the ranks disagree on shapes/dtype/options;
-            the same text on every rank, naming every rank's problem.
-        RuntimeError: when a rank dies or stalls: every surviving rank, within the timeout, naming
-            the phase, the ring step and the peer it waited for; and at once on a group where an
-            earlier ring call failed (README "Failure behaviour").
-    """
-    if isinstance(backend, str) and torch.compiler.is_compiling():  # one `ringlse::ring` op (`ringlse.library`)
-        out, lse = library.ring_op(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group,
-                                   layout=default_layout(causal is True) if layout is None else layout,
-                                   window_size=window_size, cu_seqlens=cu_seqlens, backend=backend, timeout=timeout)
-        return (out, lse) if return_lse else out
-    ring = ring_plan(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group, layout=layout,
-                     return_lse=return_lse, window_size=window_size, cu_seqlens=cu_seqlens, backend=backend,
-                     timeout=timeout)
-    out, lse = planned_attention(q, k, v, ring)
-    return (out, lse) if return_lse else out
-
-
 def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, softmax_scale, group, layout,
-              return_lse, window_size, cu_seqlens, backend, timeout, agree: bool = True) -> _RingPlan:
+              return_lse, window_size, cu_seqlens, backend, timeout, agree: bool = True,
+              local_error: str | None = None) -> _RingPlan:
     """The `AttentionPlan` of one `ring_attention` call (arguments as there), after every check.
 
     With `agree` (the forward), every rank compares its inputs with the others' (`ValueError` on
-    every rank on a mismatch, before any K/V moves). `agree=False` rebuilds the plan of a call whose
-    forward already agreed, for a backward run apart from it (the `torch.library` op's)."""
+    every rank on a mismatch, before any K/V moves); `local_error` is a problem found with this rank's
+    options before the plan (`RingSpec.error`), raised the same way. `agree=False` rebuilds the plan
+    of a call whose forward already agreed, for a backward run apart from it."""
     comm = RingComm.for_group(group)
     comm.check_usable()
     layout = default_layout(causal is True) if layout is None else layout
     rule, error = _local_rule(q, k, v, layout, causal, window_size, cu_seqlens, return_lse, comm) \
         if layout in LAYOUTS else (None, f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    if local_error:  # `RingSpec.error`, "ValueError: ..." or "TypeError: ..."
+        error = local_error.partition(": ")[2]
     try:  # every rank of an NCCL group, whatever its inputs: the first call per group is collective
         pull = use_copy_engines(comm)
     except ValueError as e:

@@ -1,0 +1,173 @@
+"""The one path every attention call takes, eager and compiled alike (as flash-attn's interface):
+public function → `autograd.Function` (`attend`, `ring`) → `torch.library` custom ops
+(`ringlse::attend`, `ringlse::attend_backward`, `ringlse::ring`, `ringlse::ring_backward`) → the plan of
+block calls (`ringlse.attention_plan`, `ringlse.ring.loop`).
+
+Under torch.compile each call is one opaque node: the plan, the checks and the ranks' agreement run
+inside the op at run time (no graph break), and the fake implementations give the output shapes.
+Options travel as op arguments (`AttentionSpec` / `RingSpec.op_args`). A plan is a pure function of the
+tensors' shapes and the options, so the backward op takes the forward's from a small cache and rebuilds
+it when it is gone (the ring's without a second agreement: the forward's already compared the ranks'
+inputs, and the backward's come from autograd).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from ringlse.attention_plan import attend_plan
+from ringlse.checks import lse_dtype
+from ringlse.ring.loop import ring_plan
+from ringlse.specs import AttentionSpec, RingSpec, backend_from_name, group_from_name, raise_error
+
+# plans of recent calls by shapes and options: a model's layers share one; enough for the calls
+# between a forward and its backward in any model we know
+_PLANS: OrderedDict[tuple, object] = OrderedDict()
+_PLANS_KEPT = 64
+
+
+def _key(kind: str, tensors: tuple[Tensor, ...], args: tuple) -> tuple:
+    metas = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+    values = tuple(tuple(a.tolist()) if isinstance(a, Tensor) else tuple(a) if isinstance(a, list) else a
+                   for a in args)
+    return (kind, metas, values)
+
+
+def _remember(key: tuple, plan):
+    _PLANS[key] = plan
+    _PLANS.move_to_end(key)
+    while len(_PLANS) > _PLANS_KEPT:
+        _PLANS.popitem(last=False)
+    return plan
+
+
+def _fake_out_lse(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    b, n, h, _ = q.shape
+    return q.new_empty((b, n, h, v.shape[-1])), q.new_empty((b, h, n), dtype=lse_dtype(q.dtype))
+
+
+def _run_backward(plan, g_out, g_lse, q, k, v, out, lse) -> tuple[Tensor, Tensor, Tensor]:
+    dout, delta, lse_grad = plan.op.backward_inputs(g_out, g_lse, out)
+    return tuple(g.contiguous() for g in plan.backward(dout, q, k, v, out, lse, delta, lse_grad))
+
+
+# The ops are defined through `torch.library.Library` rather than `torch.library.custom_op`: the
+# latter wraps every call in a dynamo guard whose first use imports torch._dynamo (over a second),
+# which would delay a process's first attention call, and in a ring its ranks' agreement, that long.
+_LIB = torch.library.Library("ringlse", "DEF")
+_ATTEND_OPTIONS = ("Tensor? cu_seqlens, Tensor? cu_seqlens_q, bool causal, float? softmax_scale, int? q_start, "
+                   "int k_start, int[] window, int? chunk_size, str backend, str what, str error")
+_RING_OPTIONS = ("Tensor? cu_seqlens, bool causal, float? softmax_scale, str group, str layout, bool return_lse, "
+                 "int[] window, str backend, float? timeout, bool agree, str error")
+_QKV = "Tensor q, Tensor k, Tensor v"
+_GRADS_IN = "Tensor? g_out, Tensor? g_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse"
+
+
+def _define(name: str, inputs: str, outputs: str, impl, fake) -> None:
+    _LIB.define(f"{name}({inputs}) -> ({outputs})")
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"ringlse::{name}", fake, lib=_LIB)
+
+
+def _fake_grads(g_out, g_lse, q, k, v, out, lse, *options):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# ---- single device -------------------------------------------------------------------------------
+
+def _attend_plan(q: Tensor, k: Tensor, v: Tensor, args: tuple):
+    raise_error(args[-1])
+    key = _key("attend", (q, k, v), args)
+    plan = _PLANS.get(key)
+    return plan if plan is not None else _remember(key, attend_plan(q, k, v, AttentionSpec.from_op_args(*args)))
+
+
+def _attend_impl(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tensor]:
+    """`(out, lse)` of one single-device call (`AttentionSpec.op_args` after q, k, v)."""
+    out, lse = _attend_plan(q, k, v, args).forward(q, k, v)
+    return out.to(q.dtype).contiguous(), lse.contiguous()
+
+
+def _attend_backward_impl(g_out, g_lse, q, k, v, out, lse, *args) -> tuple[Tensor, Tensor, Tensor]:
+    """`(dq, dk, dv)` of `ringlse::attend`."""
+    return _run_backward(_attend_plan(q, k, v, args), g_out, g_lse, q, k, v, out, lse)
+
+
+_define("attend", f"{_QKV}, {_ATTEND_OPTIONS}", "Tensor, Tensor", _attend_impl,
+        lambda q, k, v, *options: _fake_out_lse(q, v))
+_define("attend_backward", f"{_GRADS_IN}, {_ATTEND_OPTIONS}", "Tensor, Tensor, Tensor", _attend_backward_impl,
+        _fake_grads)
+
+
+class _Attend(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, cu_seqlens_q, *options):
+        ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero gradient
+        out, lse = torch.ops.ringlse.attend(q, k, v, cu_seqlens, cu_seqlens_q, *options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.bounds, ctx.options = (cu_seqlens, cu_seqlens_q), options
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, g_out, g_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = torch.ops.ringlse.attend_backward(g_out, g_lse, q, k, v, out, lse, *ctx.bounds, *ctx.options)
+        return (*grads, None, None, *([None] * len(ctx.options)))
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> tuple[Tensor, Tensor]:
+    """`(out, lse)` of one single-device call, differentiable in q, k, v through both."""
+    return _Attend.apply(q, k, v, *spec.op_args())
+
+
+# ---- the ring ------------------------------------------------------------------------------------
+
+def _ring_plan(q: Tensor, k: Tensor, v: Tensor, args: tuple, agree: bool):
+    spec = RingSpec.from_op_args(*args)
+    plan = ring_plan(q, k, v, causal=spec.causal, softmax_scale=spec.softmax_scale, group=group_from_name(spec.group),
+                     layout=spec.layout, return_lse=spec.return_lse, window_size=spec.window_size,
+                     cu_seqlens=spec.cu_seqlens, backend=backend_from_name(spec.backend), timeout=spec.timeout,
+                     agree=agree and spec.agree, local_error=spec.error or None)
+    return _remember(_key("ring", (q, k, v), args), plan)
+
+
+def _ring_impl(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tensor]:
+    """`(out, lse)` of `ring_attention` over the process group named in `args` (`RingSpec.op_args`)."""
+    out, lse = _ring_plan(q, k, v, args, agree=True).forward(q, k, v)
+    return out.to(q.dtype).contiguous(), lse.contiguous()
+
+
+def _ring_backward_impl(g_out, g_lse, q, k, v, out, lse, *args) -> tuple[Tensor, Tensor, Tensor]:
+    """`(dq, dk, dv)` of `ringlse::ring` (the ranks' backward passes meet in the ring)."""
+    plan = _PLANS.get(_key("ring", (q, k, v), args)) or _ring_plan(q, k, v, args, agree=False)
+    return _run_backward(plan, g_out, g_lse, q, k, v, out, lse)
+
+
+_define("ring", f"{_QKV}, {_RING_OPTIONS}", "Tensor, Tensor", _ring_impl,
+        lambda q, k, v, *options: _fake_out_lse(q, v))
+_define("ring_backward", f"{_GRADS_IN}, {_RING_OPTIONS}", "Tensor, Tensor, Tensor", _ring_backward_impl,
+        _fake_grads)
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, *options):
+        ctx.set_materialize_grads(False)
+        out, lse = torch.ops.ringlse.ring(q, k, v, cu_seqlens, *options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.bounds, ctx.options = cu_seqlens, options
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, g_out, g_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = torch.ops.ringlse.ring_backward(g_out, g_lse, q, k, v, out, lse, ctx.bounds, *ctx.options)
+        return (*grads, None, *([None] * len(ctx.options)))
+
+
+def ring(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec) -> tuple[Tensor, Tensor]:
+    """`(out, lse)` of one `ring_attention` call, differentiable in q, k, v through both."""
+    return _Ring.apply(q, k, v, *spec.op_args())
