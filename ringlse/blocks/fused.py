@@ -22,7 +22,8 @@ from functools import partial
 
 import torch
 
-from ringlse.blocks.contract import BlockGrads, BlockOp, GradPart, StatePart
+from ringlse.blocks.contract import BlockGrads, BlockOp, Capabilities, Parts
+from ringlse.merge import GradPart, StatePart
 from ringlse.checks import lse_dtype
 from ringlse.masks import Piece, split_causal_block
 from ringlse.merge import add_parts, merge_parts, update_out_and_lse
@@ -205,8 +206,15 @@ def accumulate_parts(parts: Callable, dout, q, k, v, out, lse, delta, *, dq_acc,
 def fused_block_op(name: str, ks: KernelSet) -> BlockOp:
     """The block op (forward, accumulating backward, `forward_parts`, `backward_parts`) of a family of
     fused kernels."""
-    return BlockOp(name, partial(fused_block_forward, ks), partial(accumulate_parts, partial(fused_block_parts, ks)),
-                   uses_delta=False,
-                   backward_parts=partial(fused_block_parts, ks), forward_parts=partial(fused_block_states, ks))
+    return parts_block_op(name, partial(fused_block_forward, ks), partial(fused_block_states, ks),
+                          partial(fused_block_parts, ks))
+
+
+def parts_block_op(name: str, forward: Callable, forward_parts: Callable, backward_parts: Callable,
+                   caps: Capabilities = Capabilities()) -> BlockOp:
+    """A block op whose kernels return new tensors (`Parts`) and compute `rowsum(dout * out)`
+    themselves; its accumulating backward adds the parts."""
+    return BlockOp(name, forward, partial(accumulate_parts, backward_parts), caps,
+                   Parts(forward_parts, backward_parts), delta=None)
 
 

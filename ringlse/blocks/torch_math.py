@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ringlse.blocks.contract import BlockOp
+from ringlse.blocks.contract import BlockOp, Capabilities, Masks
 from ringlse.checks import lse_dtype
 from ringlse.masks import Intervals, visibility_mask
 from ringlse.merge import merge_weights
@@ -92,5 +92,5 @@ def torch_block_backward(
         dk_acc += torch.einsum("bkgij,bikgd->bjkd", ds, q.to(acc).reshape(b, sq, hkv, g, d))
 
 
-TORCH_BLOCK_OP = BlockOp("torch", torch_block_forward, torch_block_backward, takes_intervals=True,
-                         split_backward=True)
+TORCH_BLOCK_OP = BlockOp("torch", torch_block_forward, torch_block_backward,
+                         Capabilities(Masks.INTERVALS, split_backward=True))
