@@ -33,7 +33,7 @@ from ringlse.blocks.contract import BlockOp, StateRows, planned_attention
 from ringlse.checks import SUPPORTED_DTYPES, check_flag, check_qkv, check_scale, lse_dtype
 from ringlse.masks import Rule, check_docs, check_window
 from ringlse.merge import StateMerge
-from ringlse.ring.agree import Agreement
+from ringlse.ring.agreement import Agreement
 from ringlse.ring.comm import RingComm
 from ringlse.ring.backward import ring_backward
 from ringlse.ring.plan import LAYOUTS, Route, check_layout, default_layout, kv_route, step_plans

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ringlse.blocks.contract import BlockCall
+from ringlse.blocks.calls import BlockCall
 from ringlse.masks import BlockKind, Intervals, Rule, Span, block_kind, planned_intervals
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
