@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import ringlse
+from ringlse.blocks.accumulate import IN_PLACE
 
 
 def category(name: str) -> str:
@@ -116,7 +117,8 @@ def main() -> None:
     p.add_argument("--docs", action="store_true", help="packed documents, log-uniform lengths in [256, 32K]")
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--without", nargs="*", default=[], choices=["forward_parts", "backward_parts"],
-                   help="turn these block-op capabilities off (to measure what each one gains)")
+                   help="collect results in place instead of as parts (to measure what parts gain); the "
+                        "accumulation is one choice of the backend, so name both")
     p.add_argument("--cold", action="store_true",
                    help="profile calls that start on an idle GPU after a barrier, as benchmarks/ring.py times them "
                         "(default: back to back), and record GPU activity only (less host overhead)")
@@ -134,7 +136,11 @@ def main() -> None:
     mk = lambda h: torch.randn(1, n, h, 128, device="cuda", dtype=torch.bfloat16)
     q, k, v, dout = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
     leaves = [t.requires_grad_() for t in (q, k, v)]
-    op = dataclasses.replace(ringlse.get_block_op(args.backend, q.device), **{c: None for c in args.without})
+    op = ringlse.get_block_op(args.backend, q.device)
+    if args.without:
+        if set(args.without) != {"forward_parts", "backward_parts"}:
+            p.error("--without: the accumulation is one choice (ringlse.blocks.accumulate): name both")
+        op = dataclasses.replace(op, accumulation=IN_PLACE)
 
     mask = {}
     if args.window is not None:

@@ -16,7 +16,7 @@ ring's dk/dv) `message_groups`, `message_dtype` and `message`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -24,8 +24,17 @@ from ringlse.blocks.calls import BlockArgs, BlockCall, BlockGrads
 from ringlse.checks import lse_dtype
 from ringlse.merge import PartSum, StateMerge, StatePart
 
-if TYPE_CHECKING:
-    from ringlse.blocks.contract import BlockOp
+
+class BlockOp(Protocol):
+    """What the accumulations call of a block op (`ringlse.blocks.contract.BlockOp`, which imports this
+    module: its accumulation is a field of it)."""
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., None]
+
+    @property
+    def writes_fresh(self) -> bool:
+        """Whether forward takes `fresh=True` (`Capabilities.writes_fresh`)."""
 
 
 class StateRows:
@@ -62,7 +71,7 @@ class StateRows:
         """Attend `q` (the rows `[q0, q1)` of the state) to `k`, `v` through `op` (`block`: the
         forward's other keyword arguments), into the state."""
         gaps = self._unwritten(q0, q1)
-        fresh = gaps == [(q0, q1)] and op.caps.writes_fresh
+        fresh = gaps == [(q0, q1)] and op.writes_fresh
         if not fresh:
             for a, b in gaps:
                 self._empty(a, b)
@@ -188,7 +197,7 @@ class Parts:
         """A dk and a dv of `shape`, summed from parts in float32 (float64) when sent."""
         if into is not None:
             raise ValueError("ops that return parts build no message in a given buffer")
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        acc = lse_dtype(dtype)
         return PartSum(shape, acc, device), PartSum(shape, acc, device)
 
 

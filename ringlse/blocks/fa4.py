@@ -28,7 +28,7 @@ What this module adds, on the shared driver of `ringlse.blocks.fused`:
 - the lse in ringlse's convention (`norm_lse`: `[b, h, sq]` float32, `-inf` on empty rows);
 - a backward that passes the lse gradient to FA4 as `dlse` (`bottom_right_block_op`);
 - head dims refused unless checked: FA4's sm90 backward gives a wrong dq for head dims 8, 16, 40, 48,
-  72, 80, 104 (mod 32 in {8, 16}; H200 and H100, 4.0.0b36; `VERIFIED_HEAD_DIMS`, `benchmarks/NOTES.md`).
+  72, 80, 104 (mod 32 in {8, 16}; H200 and H100, 4.0.0b36; `VERIFIED_HEAD_DIMS`).
 
 Windows and documents: the op takes windows as a rule (`takes_window`: `window_size=` with causal and
 the offsets, mapped to FA4's native bounds by `fa4_mask_args`), not per-row intervals (tensors: reading
@@ -173,7 +173,7 @@ def _fa4_backward(dout, q, k, v, out, lse, causal, scale, dlse=None):
 def fa4_causal_pieces(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int) -> list[Piece]:
     """A causal block at global offsets for FA4: one call with a `Band` where every query row sees its
     first key (`q_start >= k_start`) and the diagonal sits right of FA4's causal one, as bare FA4 takes
-    it (two calls cost up to 1.10x bare FA4's time on H200 at S 8K, d 64; NOTES.md); otherwise the
+    it (two calls cost up to 1.10x bare FA4's time on H200 at S 8K, d 64); otherwise the
     pieces of `split_causal_block_bottom_right`."""
     shift = (q_start - k_start) - (seqlen_k - seqlen_q)
     if q_start >= k_start and shift > 0 and seqlen_q and seqlen_k:
@@ -207,7 +207,8 @@ def _native_lse_grad_parts(ks: KernelSet, dout, q, k, v, out, lse, delta, *, sof
                            q_start: int, k_start: int, lse_grad: torch.Tensor | None = None,
                            window_size: tuple[int, int] | None = None) -> BlockGrads:
     """The block-op `backward_parts` for kernels whose backward takes the lse gradient (`dlse=`):
-    one backward call per piece, gradients as the kernels return them. `delta` is not read."""
+    one backward call per piece, gradients as the kernels return them. `delta` is not read.
+    Its parameters are the block-op contract's (`ringlse.blocks.contract`), one per operand and mask argument."""
     sq, sk = q.shape[1], k.shape[1]
     grads = BlockGrads([], [], [])
     with torch.no_grad():
@@ -287,5 +288,6 @@ FA4_KERNELS = KernelSet(forward=_fa4_forward, backward=_fa4_backward, native_gqa
 
 FA4_BLOCK_OP = bottom_right_block_op("fa4", _fa4_forward, _fa4_backward, fa4_causal_pieces, fa4_window_pieces)
 
-__all__ = ["FA4_BLOCK_OP", "FA4_KERNELS", "VERIFIED_HEAD_DIMS", "Band", "fa4_causal_pieces", "fa4_window_pieces", "bottom_right_block_op", "fa4_mask_args",
+__all__ = ["FA4_BLOCK_OP", "FA4_KERNELS", "VERIFIED_HEAD_DIMS", "Band", "fa4_causal_pieces", "fa4_window_pieces",
+           "bottom_right_block_op", "fa4_mask_args",
            "head_dim_refused", "interface_missing", "split_causal_block_bottom_right"]

@@ -73,6 +73,8 @@ def torch_block_backward(
     lse_grad: torch.Tensor | None = None,  # already in delta (block-op contract)
     intervals: Intervals | None = None,
 ) -> None:
+    """The block-op backward in PyTorch math (P from the global lse, CONVENTIONS.md §6). Its parameters
+    are the block-op contract's (`ringlse.blocks.contract`), one per operand and mask argument."""
     b, sq, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv

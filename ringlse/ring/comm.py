@@ -26,7 +26,7 @@ from ringlse.ring.agreement import Agreement, Describe, post_agreement
 
 # NCCL picks how many channels carry a point-to-point message from its size in chunks: with the
 # default 512 KiB NVLink chunk, a 64-128 MiB K/V block moved at ~110 GiB/s on 4xH200 (NCCL 2.28),
-# with 128 KiB chunks at ~300 GiB/s (benchmarks/p2p_bandwidth.py, benchmarks/NOTES.md).
+# with 128 KiB chunks at ~300 GiB/s (benchmarks/p2p_bandwidth.py).
 # High-priority NCCL streams: a transfer queued next to an attention kernel that fills every SM
 # otherwise waits for that kernel's blocks to drain before its own get scheduled (on 4xH200 a
 # 128 MiB K/V transfer took 1.2 ms beside the cuDNN forward instead of 0.45 ms).

@@ -3,7 +3,7 @@
 The `triton` ring's dk/dv messages are float32 (what keeps its error flat in W), twice the bytes of
 the K/V they answer. Sent by NCCL, their kernels ran 8-10 ms per call beside the dk/dv kernel that
 holds every SM, against 2.5-4 ms for the cuDNN ring's bf16 ones, and the compute stream idled 3-6 ms
-waiting for them (4xH100, 32K; `benchmarks/NOTES.md`). Copy engines need no SM: a rank builds each
+waiting for them (4xH100, 32K). Copy engines need no SM: a rank builds each
 message in a slot of a buffer in PyTorch's symmetric memory (mapped into every rank of the group by
 CUDA IPC) and its owner copies it home from there with `cudaMemcpyAsync`, as `ringlse.ring.pull`
 does for K/V.
@@ -27,8 +27,9 @@ first time while a wait is pending on a dead peer blocks the host there (`CUDA_M
 closes it); the fault tests run a good call first.
 
 Used for pieces of keys (`ringlse.ring.backward.DKV_PIECES`, W >= 3) of ops that accumulate dk/dv
-in float32 (`backward_parts` None), under the same switch as the K/V pulls; a piece whose keys do
-not fit a slot (masked calls kept whole) travels by NCCL: both ends decide it from the same plan.
+in float32 (the `InPlace` accumulation, `ringlse.blocks.accumulate`), under the same switch as the
+K/V pulls (`ringlse.ring.dkv_return.CopyEngineReturn`); a piece whose keys do not fit a slot (masked
+calls kept whole) travels by NCCL: both ends decide it from the same plan.
 """
 
 from __future__ import annotations

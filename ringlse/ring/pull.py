@@ -2,7 +2,7 @@
 
 NCCL moves data with kernels: beside an attention kernel that holds every SM, its transfers of the
 ring's K/V waited for SMs (on 4xH200 a 128 MiB block took 1.2 ms beside the cuDNN forward, 0.45 ms
-alone; `benchmarks/NOTES.md`). Copy engines need no SM. Each rank publishes its packed K/V in a
+alone). Copy engines need no SM. Each rank publishes its packed K/V in a
 buffer of PyTorch's symmetric memory (mapped into every rank of the group by CUDA IPC), and at step
 s copies the rows it will read of rank (rank - s)'s block straight from that buffer: a
 `cudaMemcpyAsync` between GPUs, run by a copy engine. Blocks come from their owner, not from the
