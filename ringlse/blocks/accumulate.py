@@ -25,7 +25,7 @@ from ringlse.checks import lse_dtype
 from ringlse.merge import PartSum, StateMerge, StatePart
 
 
-class BlockOp(Protocol):
+class BlockFunctions(Protocol):
     """What the accumulations call of a block op (`ringlse.blocks.contract.BlockOp`, which imports this
     module: its accumulation is a field of it)."""
 
@@ -67,7 +67,7 @@ class StateRows:
             at = max(at, b)
         return gaps + ([(at, q1)] if at < q1 else [])
 
-    def add(self, op: BlockOp, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q0: int, q1: int, **block) -> None:
+    def add(self, op: BlockFunctions, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q0: int, q1: int, **block) -> None:
         """Attend `q` (the rows `[q0, q1)` of the state) to `k`, `v` through `op` (`block`: the
         forward's other keyword arguments), into the state."""
         gaps = self._unwritten(q0, q1)
@@ -133,10 +133,10 @@ class InPlace:
     # a message can be built in a buffer the caller supplies (a copy-engine slot)
     builds_into = True
 
-    def state(self, op: BlockOp, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> StateSink:
+    def state(self, op: BlockFunctions, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> StateSink:
         return _RowsState(op, StateRows(shape, dtype, device))
 
-    def add_grads(self, op: BlockOp, g: GradInputs, c: BlockCall, kv: tuple[torch.Tensor, torch.Tensor],
+    def add_grads(self, op: BlockFunctions, g: GradInputs, c: BlockCall, kv: tuple[torch.Tensor, torch.Tensor],
                   args: BlockArgs, dq: GradTarget | None, dk: GradTarget | None, dv: GradTarget | None) -> None:
         """Add call `c`'s gradients into the targets (None: not computed; `Capabilities.split_backward`)."""
         operands, lse_grad = g.operands(c, *kv)
@@ -167,10 +167,10 @@ class Parts:
     def __init__(self, forward: Callable[..., list[StatePart]], backward: Callable[..., BlockGrads]):
         self.forward, self.backward = forward, backward
 
-    def state(self, op: BlockOp, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> StateSink:
+    def state(self, op: BlockFunctions, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> StateSink:
         return _MergedState(self.forward, StateMerge(shape, dtype, device))
 
-    def add_grads(self, op: BlockOp, g: GradInputs, c: BlockCall, kv: tuple[torch.Tensor, torch.Tensor],
+    def add_grads(self, op: BlockFunctions, g: GradInputs, c: BlockCall, kv: tuple[torch.Tensor, torch.Tensor],
                   args: BlockArgs, dq: GradTarget | None, dk: GradTarget | None, dv: GradTarget | None) -> None:
         """Keep call `c`'s gradients as parts of the targets (None: dropped)."""
         operands, lse_grad = g.operands(c, *kv)
@@ -211,7 +211,7 @@ def _over(buf: torch.Tensor) -> PartSum:
 
 
 class _RowsState:
-    def __init__(self, op: BlockOp, rows: StateRows):
+    def __init__(self, op: BlockFunctions, rows: StateRows):
         self.op, self.rows = op, rows
 
     def add(self, q, k, v, q0: int, q1: int, args: BlockArgs) -> None:

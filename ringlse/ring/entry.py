@@ -2,16 +2,15 @@
 This module is the entry: checks, the agreement between ranks, and the plan of a call (`RingPlan`);
 the loops are `ringlse.ring.forward` and `ringlse.ring.backward`.
 
-Forward (`ringlse.ring.forward`), W steps: post the transfer of the next K/V block, attend the local queries to the held K/V (merging into float32 accumulators inside the block op, or,
-for ops that return their states as tensors, keeping them as parts merged once at the end), wait,
-swap buffers. Backward (`ringlse.ring.backward`) reuses the global `out`/`lse`, computes `delta`
-once, brings the K/V round the ring again, keeps `dq` locally and sends each block's `dk`/`dv`
-straight to the block's owner (CONVENTIONS.md §6 lets partial sums travel the ring instead; sending
-parts home costs the same transfers, needs no float32 accumulator per hop, and lets bf16 kernel
-outputs travel as they are). The rank's own block hides the first transfer (and, split in two by
-keys in the backward, the last one). The block op is a parameter, so the same loop runs on gloo/CPU
-and NCCL/GPU. How blocks move (`ringlse.ring.kv_transport`): where a window or documents leave steps
-or rows unread by every rank, only the rows read go, straight from owner to reader (`kv_route`).
+Forward (`ringlse.ring.forward`), W steps: post the transfer of the next K/V block, attend the local
+queries to the held one (collected as the op's accumulation says: merged into float32 accumulators
+inside the op, or kept as parts merged once at the end), wait for the transfer. Backward
+(`ringlse.ring.backward`) reuses the global `out`/`lse`, computes `delta` once, brings the K/V round
+the ring again, keeps `dq` locally and sends each block's `dk`/`dv` straight to the block's owner
+(`ringlse.ring.dkv_return`). The rank's own block hides the first transfer (and, split in two by keys
+in the backward, the last one). The block op is a parameter, so the same loops run on gloo/CPU and
+NCCL/GPU. How blocks move (`ringlse.ring.kv_transport`): where a window or documents leave steps or
+rows unread by every rank, only the rows read go, straight from owner to reader (`kv_route`).
 
 Faults (README "Failure behaviour"): every wait is bounded (`timeout=`, else the group's) and a
 failed or late one raises `RuntimeError` naming the phase, the ring step and the peer it waited for
