@@ -10,7 +10,7 @@ import torch
 
 from ringlse import library
 from ringlse.blocks import get_block_op
-from ringlse.blocks.contract import BlockCall, BlockOp, GradInputs, GradTarget, StateRows, planned_attention
+from ringlse.blocks.contract import BlockCall, BlockOp, GradInputs, GradTarget, Masks, StateRows, planned_attention
 from ringlse.checks import check_flag, check_qkv, check_scale, lse_dtype
 from ringlse.masks import BlockKind, Rule, Span, block_kind, check_docs, check_window, planned_intervals
 from ringlse.merge import PartSum
@@ -64,7 +64,7 @@ def _block_calls(op: BlockOp, rule: Rule, q0: int, q1: int, k0: int, k1: int, q_
     if rule.plain:
         yield from _plain_calls(q0, q1, k0, k1, rule.causal, q_start, k_start)
         return
-    if op.takes_intervals:
+    if op.caps.masks is Masks.INTERVALS:
         iv = planned_intervals(rule, Span(q_start, q1 - q0), Span(k_start, k1 - k0))
         kind = iv.kind()
         if kind is BlockKind.FULL:
@@ -73,7 +73,7 @@ def _block_calls(op: BlockOp, rule: Rule, q0: int, q1: int, k0: int, k1: int, q_
             yield BlockCall(q0, q1, k0, k1, False, 0, 0, iv)
         return
     windowed = rule.window != (-1, -1)
-    if windowed and not op.takes_window:
+    if windowed and op.caps.masks is not Masks.WINDOW:
         raise ValueError(f"{what}: window_size needs a backend that takes windows; the {op.name!r} block op does not")
     segments = [(q0, q1, k0, k1)]
     if rule.docs is not None:  # each document alone is a block of its own

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ringlse import library
 from ringlse.blocks import get_block_op
 from ringlse.blocks.accumulate import GradInputs
-from ringlse.blocks.contract import BlockOp, planned_attention
+from ringlse.blocks.contract import BlockOp, Masks, planned_attention
 from ringlse.checks import check_flag, check_qkv, check_scale
 from ringlse.masks import Rule, check_docs, check_window
 from ringlse.ring.agreement import Agreement, AgreementRow, describe_row
@@ -193,7 +193,7 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
         try:
             scale = check_scale(softmax_scale, q.shape[-1], "ring_attention")
             op = get_block_op(backend, q.device, q.dtype, masked=not rule.plain, head_dim=q.shape[-1])
-            if not rule.plain and not op.takes_intervals:
+            if not rule.plain and op.caps.masks is not Masks.INTERVALS:
                 raise ValueError(f"ring_attention: windows and documents need a backend that takes intervals; "
                                  f"the {op.name!r} block op does not")
         except (ValueError, TypeError) as e:
