@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from ringlse.blocks import get_block_op
-from ringlse.blocks.contract import BlockCall, BlockOp, StateRows
+from ringlse.blocks.contract import BlockCall, BlockOp, GradInputs, GradTarget, Masks, StateRows
 from ringlse.checks import check_qkv, check_scale, lse_dtype
 from ringlse.masks import BlockKind, Rule, Span, block_kind, check_docs, check_window, planned_intervals
 from ringlse.merge import PartSum
@@ -20,48 +20,31 @@ from ringlse.specs import AttentionSpec, backend_from_name
 class _CallPlan:
     """Block calls over one q, k, v: a lone call covering everything returns its state as it is;
     several fill float32 accumulators (`StateRows`: the first call over some rows writes them, later
-    ones merge in place, into views of them)."""
+    ones merge in place, into views of them). Gradients are collected as the op's accumulation says
+    (`ringlse.blocks.accumulate`): kernels that return theirs (cuDNN, FlashAttention) give parts
+    summed in one pass, so no float32 accumulator is zeroed, read and rewritten per call."""
 
     def __init__(self, op: BlockOp, scale: float, calls: list[BlockCall]):
         self.op, self.scale, self.calls = op, scale, calls
 
-    def _kw(self, c: BlockCall) -> dict:
-        return dict(softmax_scale=self.scale, **c.block_args())
-
     def forward(self, q, k, v):
         sq = q.shape[1]
-        acc = lse_dtype(q.dtype)
         if len(self.calls) == 1 and self.calls[0][:4] == (0, sq, 0, k.shape[1]):
-            return self.op.forward(q, k, v, **self._kw(self.calls[0]))
-        state = StateRows(q.shape, acc, q.device)
+            return self.op.forward(q, k, v, **self.calls[0].args(self.scale).kwargs())
+        state = StateRows(q.shape, lse_dtype(q.dtype), q.device)
         for c in self.calls:
-            state.add(self.op, q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1], c.q0, c.q1, **self._kw(c))
+            state.add(self.op, q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1], c.q0, c.q1,
+                      **c.args(self.scale).kwargs())
         return state.result()
 
     def backward(self, dout, q, k, v, out, lse, delta, lse_grad):
         acc = lse_dtype(q.dtype)
-        if self.op.backward_parts is not None:
-            # kernels that return their gradients (cuDNN, FlashAttention): one call's outputs are the
-            # result as they are, several are summed in one pass; no float32 accumulator is zeroed,
-            # read and rewritten (that cost fa4 up to 1.31x bare FA4's fwd+bwd time)
-            sums = [PartSum(t.shape, acc, t.device) for t in (q, k, v)]
-            for c in self.calls:
-                rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
-                g = self.op.backward_parts(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
-                                           lse[:, :, rows], None if delta is None else delta[:, :, rows],
-                                           **self._kw(c), lse_grad=None if lse_grad is None else lse_grad[:, :, rows])
-                for total, parts, offset in zip(sums, (g.dq, g.dk, g.dv), (c.q0, c.k0, c.k0)):
-                    for part in parts:
-                        total.add(part, offset)
-            return tuple(total.result(t.dtype) for total, t in zip(sums, (q, k, v)))
-        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+        dq, dk, dv = (PartSum(t.shape, acc, t.device) for t in (q, k, v))
+        g = GradInputs(dout, q, out, lse, delta, lse_grad)
         for c in self.calls:
-            rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
-            self.op.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows],
-                             None if delta is None else delta[:, :, rows], **self._kw(c), dq_acc=dq[:, rows],
-                             dk_acc=dk[:, keys], dv_acc=dv[:, keys],
-                             lse_grad=None if lse_grad is None else lse_grad[:, :, rows])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+            self.op.accumulation.add_grads(self.op, g, c, (k, v), c.args(self.scale), GradTarget(dq, c.q0, c.q1),
+                                           GradTarget(dk, c.k0, c.k1), GradTarget(dv, c.k0, c.k1))
+        return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
 
 
 def _plain_calls(q0: int, q1: int, k0: int, k1: int, causal: bool, q_start: int, k_start: int) -> list[BlockCall]:
@@ -82,7 +65,7 @@ def _block_calls(op: BlockOp, rule: Rule, q0: int, q1: int, k0: int, k1: int, q_
     if rule.plain:
         yield from _plain_calls(q0, q1, k0, k1, rule.causal, q_start, k_start)
         return
-    if op.takes_intervals:
+    if op.caps.masks is Masks.INTERVALS:
         iv = planned_intervals(rule, Span(q_start, q1 - q0), Span(k_start, k1 - k0))
         kind = iv.kind()
         if kind is BlockKind.FULL:
@@ -91,7 +74,7 @@ def _block_calls(op: BlockOp, rule: Rule, q0: int, q1: int, k0: int, k1: int, q_
             yield BlockCall(q0, q1, k0, k1, False, 0, 0, iv)
         return
     windowed = rule.window != (-1, -1)
-    if windowed and not op.takes_window:
+    if windowed and op.caps.masks is not Masks.WINDOW:
         raise ValueError(f"{what}: window_size needs a backend that takes windows; the {op.name!r} block op does not")
     segments = [(q0, q1, k0, k1)]
     if rule.docs is not None:  # each document alone is a block of its own

@@ -373,10 +373,12 @@ class PartSum(_Parts):
         device: where it lives.
     """
 
-    def __init__(self, shape: Sequence[int], acc_dtype: torch.dtype, device: torch.device):
+    def __init__(self, shape: Sequence[int], acc_dtype: torch.dtype, device: torch.device,
+                 accumulator: torch.Tensor | None = None):
         self.shape, self.device = tuple(shape), device
         super().__init__(acc_dtype)
-        self._acc: torch.Tensor | None = None
+        # `accumulator`: a zeroed tensor of `shape` and `acc_dtype` to add into (a message buffer)
+        self._acc: torch.Tensor | None = accumulator
 
     def _combine(self, parts: list[GradPart], dtype: torch.dtype) -> torch.Tensor:
         if self._acc is not None:

@@ -1,7 +1,7 @@
 """The one path every attention call takes, eager and compiled alike (as flash-attn's interface):
 public function → `autograd.Function` (`attend`, `ring`) → `torch.library` custom ops
 (`ringlse::attend`, `ringlse::attend_backward`, `ringlse::ring`, `ringlse::ring_backward`) → the plan of
-block calls (`ringlse.attention_plan`, `ringlse.ring.loop`).
+block calls (`ringlse.attention_plan`, `ringlse.ring.entry`).
 
 Under torch.compile each call is one opaque node: the plan, the checks and the ranks' agreement run
 inside the op at run time (no graph break), and the fake implementations give the output shapes.
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ringlse.attention_plan import attend_plan
 from ringlse.checks import lse_dtype
-from ringlse.ring.loop import ring_plan
+from ringlse.ring.entry import ring_plan
 from ringlse.specs import AttentionSpec, RingSpec, backend_from_name, group_from_name, raise_error
 
 # plans of recent calls by shapes and options: a model's layers share one; enough for the calls

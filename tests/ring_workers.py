@@ -60,7 +60,8 @@ def check_case(rank, world, case: dict) -> dict | None:
         import dataclasses
 
         from ringlse.blocks.torch_math import TORCH_BLOCK_OP
-        backend = dataclasses.replace(TORCH_BLOCK_OP, dq_with_dkdv=lambda q, k, v: True)
+        backend = dataclasses.replace(TORCH_BLOCK_OP, caps=dataclasses.replace(TORCH_BLOCK_OP.caps,
+                                                                            dq_with_dkdv=lambda q, k, v: True))
     ours = ring_with_grads(q, k, v, dout, dlse, causal=case["causal"], layout=case["layout"], backend=backend,
                            non_contiguous=case.get("non_contiguous", False),
                            return_lse=case.get("return_lse", with_dlse))

@@ -460,3 +460,27 @@ def test_auto_candidates_follow_the_measured_order(capability, dtype, masked, ex
 def test_fa4_head_dims_are_refused_by_name(head_dim):
     reason = ringlse.blocks.backend_unavailable_reason("fa4", "cuda", torch.bfloat16, head_dim=head_dim)
     assert reason is not None and f"got {head_dim}" in reason and "wrong dq" in reason
+
+
+def test_sdpa_kernel_choice_is_not_sticky(monkeypatch):
+    """A kernel that raised once is asked again on the next call: the choice depends on the call's
+    inputs alone, so no rank of a ring switches kernels for good after one error."""
+    calls = {"n": 0}
+
+    def flaky_forward(q, k, v, causal, scale):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("transient")
+        return block_sdpa._math_forward(q, k, v, causal, scale)
+
+    flaky = block_sdpa.Kernel("flaky", flaky_forward, block_sdpa._math_backward, (torch.float32,))
+    monkeypatch.setitem(block_sdpa.KERNELS, "flaky", flaky)
+    q = torch.randn(1, 8, 2, 16)
+    kw = dict(softmax_scale=0.25, causal=False, q_start=0, k_start=0)
+    with block_sdpa.use_kernels("flaky", "math"):
+        with pytest.warns(RuntimeWarning, match="flaky kernel rejected"):
+            block_sdpa.SDPA_BLOCK_OP.forward(q, q, q, **kw)
+        assert block_sdpa.last_kernels()["forward"] == "math"
+        out, _ = block_sdpa.SDPA_BLOCK_OP.forward(q, q, q, **kw)
+        assert block_sdpa.last_kernels()["forward"] == "flaky" and calls["n"] == 2
+    assert_judged("out", out, reference_attention(q, q, q)[0], None, torch.float32)

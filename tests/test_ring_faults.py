@@ -115,13 +115,37 @@ def test_long_error_texts_are_cut_to_300_bytes(pool3):
 
 
 def test_the_agreement_decides_from_rows_and_texts_alone():
-    from ringlse.ring.agree import decide
+    from ringlse.ring.agreement import decide
 
     with pytest.raises(ValueError, match=r"^ring_attention: invalid input: rank 1: y; rank 2: invalid input$"):
         decide([[0, 5], [1, -1], [1, -1]], ["", "ring_attention: y", ""])
     with pytest.raises(ValueError, match="field 0: 5 on ranks 0, 2, 6 on rank 1"):
         decide([[0, 5], [0, 6], [0, 5]], None)
     decide([[0, 5], [0, 5]], None)
+
+
+def test_the_agreement_row_round_trips():
+    """`AgreementRow.to_row()` / `from_row()` are inverses, every row has the same length (the exchange
+    needs it), and a disagreement names fields, not indices."""
+    from ringlse.masks import Rule
+    from ringlse.ring.agreement import AgreementRow, decide, describe_row
+
+    q, k = torch.zeros(2, 12, 4, 16, dtype=torch.bfloat16), torch.zeros(2, 12, 2, 16, dtype=torch.bfloat16)
+    rows = [AgreementRow.of_call(q, k, True, "zigzag", 0.25, False, True, Rule(True, (8, 0), (0, 5, 24))),
+            AgreementRow.of_call(q, k, False, "stripe", 16**-0.5, True, False, Rule(False)),
+            AgreementRow.invalid()]
+    for row in rows:
+        ints = row.to_row()
+        assert all(isinstance(x, int) for x in ints) and len(ints) == len(rows[0].to_row())
+        assert AgreementRow.from_row(ints) == row
+        assert AgreementRow.from_row(torch.tensor(ints).tolist()) == row  # as the exchange returns them
+    described = rows[0].describe()
+    assert described["layout"] == "zigzag" and described["dtype"] == "torch.bfloat16"
+    assert described["K/V transport"] == "copy engines" and described["window_size"] == "(8, 0)"
+    assert described["documents"].startswith("3 boundaries")
+    assert set(rows[2].describe().values()) == {"(invalid)"}
+    with pytest.raises(ValueError, match=r"causal: True on rank 0, False on rank 1"):
+        decide([[0, *rows[0].to_row()], [0, *rows[1].to_row()]], None, describe_row)
 
 
 class _FakeWork:

@@ -19,7 +19,7 @@ import torch
 import ringlse
 from dist_harness import run_ranks
 from live_bytes import LiveBytes
-from ringlse.blocks.contract import BlockOp
+from ringlse.blocks.contract import BlockOp, Capabilities
 from ringlse.blocks.torch_math import torch_block_backward, torch_block_forward
 from ringlse.ring.backward import DKV_PIECES
 
@@ -96,7 +96,7 @@ def _rows_backward(dout, q, k, v, out, lse, delta, *, q_start, dq_acc, lse_grad=
                              q_start=q_start + r0, dq_acc=None if dq_acc is None else dq_acc[:, rows], **kw)
 
 
-ROWS_OP = BlockOp("torch-rows", _rows_forward, _rows_backward, split_backward=True)
+ROWS_OP = BlockOp("torch-rows", _rows_forward, _rows_backward, Capabilities(split_backward=True))
 
 
 def _region(fn, q, k, v, dout) -> dict[str, int]:

@@ -41,7 +41,7 @@ _BACKENDS: dict[str, tuple[str, str, tuple[torch.dtype, ...], bool]] = {
 # what `auto` takes on CUDA, first that can run the call: fastest first where measured (fp16/bf16 on
 # sm90, H100 and H200 alike: FA4 611-655 / 552-625 TFLOP/s forward / backward, cuDNN through sdpa
 # 563-616 / 526-548, ours 480-492 / 362-392, hd 128; the cuDNN ring 0.75x PyTorch CP's time where the
-# triton ring took 1.03x: benchmarks/results/fa4-*.json, block_attention-NVIDIA_H200.json, ring-4xH200.json)
+# triton ring took 1.03x; `benchmarks/RESULTS.md`)
 _AUTO_MEASURED = {(9, 0): ("fa4", "sdpa", "triton", "torch")}
 _AUTO_CUDA = ("triton", "sdpa", "torch")
 # backends whose ops take windows as a rule (`BlockOp.takes_window`) besides those taking intervals

@@ -42,14 +42,14 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache, partial
 
 import torch
 
-from ringlse.blocks.contract import BlockGrads, BlockOp
-from ringlse.blocks.fused import (KernelSet, accumulate_parts, backward_operands, block_pieces, fused_block_op,
-                                  norm_lse)
+from ringlse.blocks.contract import BlockGrads, BlockOp, Capabilities, Masks
+from ringlse.blocks.fused import (KernelSet, backward_operands, block_pieces, fused_block_forward,
+                                  fused_block_states, norm_lse, parts_block_op)
 from ringlse.masks import Piece, check_window
 from ringlse.merge import GradPart
 
@@ -207,7 +207,8 @@ def _native_lse_grad_parts(ks: KernelSet, dout, q, k, v, out, lse, delta, *, sof
                            q_start: int, k_start: int, lse_grad: torch.Tensor | None = None,
                            window_size: tuple[int, int] | None = None) -> BlockGrads:
     """The block-op `backward_parts` for kernels whose backward takes the lse gradient (`dlse=`):
-    one backward call per piece, gradients as the kernels return them. `delta` is not read."""
+    one backward call per piece, gradients as the kernels return them. `delta` is not read.
+    Its parameters are the block-op contract's (`ringlse.blocks.contract`), one per operand and mask argument."""
     sq, sk = q.shape[1], k.shape[1]
     grads = BlockGrads([], [], [])
     with torch.no_grad():
@@ -249,9 +250,9 @@ def bottom_right_block_op(name: str, forward: Callable, backward: Callable,
     (and `forward_parts`) run on the shared driver; backward passes the lse gradient to the kernels."""
     ks = KernelSet(forward=forward, backward=backward, native_gqa=True, causal_pieces=causal_pieces,
                    window_pieces=window_pieces)
-    parts = partial(_native_lse_grad_parts, ks)
-    return replace(fused_block_op(name, ks), backward=partial(accumulate_parts, parts), backward_parts=parts,
-                   takes_window=window_pieces is not None)
+    caps = Capabilities(Masks.WINDOW if window_pieces is not None else Masks.PLAIN)
+    return parts_block_op(name, partial(fused_block_forward, ks), partial(fused_block_states, ks),
+                          partial(_native_lse_grad_parts, ks), caps)
 
 
 def fa4_mask_args(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int, causal: bool,
@@ -287,5 +288,6 @@ FA4_KERNELS = KernelSet(forward=_fa4_forward, backward=_fa4_backward, native_gqa
 
 FA4_BLOCK_OP = bottom_right_block_op("fa4", _fa4_forward, _fa4_backward, fa4_causal_pieces, fa4_window_pieces)
 
-__all__ = ["FA4_BLOCK_OP", "FA4_KERNELS", "VERIFIED_HEAD_DIMS", "Band", "fa4_causal_pieces", "fa4_window_pieces", "bottom_right_block_op", "fa4_mask_args",
+__all__ = ["FA4_BLOCK_OP", "FA4_KERNELS", "VERIFIED_HEAD_DIMS", "Band", "fa4_causal_pieces", "fa4_window_pieces",
+           "bottom_right_block_op", "fa4_mask_args",
            "head_dim_refused", "interface_missing", "split_causal_block_bottom_right"]

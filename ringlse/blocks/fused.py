@@ -22,7 +22,8 @@ from functools import partial
 
 import torch
 
-from ringlse.blocks.contract import BlockGrads, BlockOp, GradPart, StatePart
+from ringlse.blocks.contract import BlockGrads, BlockOp, Capabilities, Parts
+from ringlse.merge import GradPart, StatePart
 from ringlse.checks import lse_dtype
 from ringlse.masks import Piece, split_causal_block
 from ringlse.merge import add_parts, merge_parts, update_out_and_lse
@@ -92,7 +93,7 @@ def fused_block_states(
     k_start: int,
     window_size: tuple[int, int] | None = None,
 ) -> list[StatePart]:
-    """The block-op `forward_parts` (see `ringlse.blockop`) over a family of fused kernels: one state
+    """The block-op `forward_parts` (see `ringlse.blocks.contract`) over a family of fused kernels: one state
     per piece of the block, as the kernels return it (`out` in q's dtype), never merged."""
     h = q.shape[2]
     acc = lse_dtype(q.dtype)
@@ -119,8 +120,9 @@ def fused_block_forward(
     lse_acc: torch.Tensor | None = None,
     window_size: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block-op forward (see `ringlse.blockop`) over a family of fused kernels: the pieces' states
-    merged in one pass (a lone whole piece, the common case, as it is) or into the accumulators."""
+    """The block-op forward (see `ringlse.blocks.contract`) over a family of fused kernels: the pieces' states
+    merged in one pass (a lone whole piece, the common case, as it is) or into the accumulators.
+    Its parameters are the block-op contract's (`ringlse.blocks.contract`), one per operand and mask argument."""
     states = fused_block_states(ks, q, k, v, softmax_scale=softmax_scale, causal=causal, q_start=q_start,
                                 k_start=k_start, window_size=window_size)
     if out_acc is None:
@@ -149,10 +151,11 @@ def fused_block_parts(
     lse_grad: torch.Tensor | None = None,
     window_size: tuple[int, int] | None = None,
 ) -> BlockGrads:
-    """The block-op `backward_parts` (see `ringlse.blockop`) over a family of fused kernels: the
+    """The block-op `backward_parts` (see `ringlse.blocks.contract`) over a family of fused kernels: the
     kernels' own output tensors (q's dtype; float32 where GQA groups are summed or for the lse-gradient
     term), never added into anything. `delta` is not read: the kernels compute `rowsum(dout * out)`
-    themselves and `lse_grad` adds the rest."""
+    themselves and `lse_grad` adds the rest. Its parameters are the block-op contract's
+    (`ringlse.blocks.contract`), one per operand and mask argument."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     acc = lse_dtype(q.dtype)
@@ -196,7 +199,8 @@ def backward_operands(q, dout, out, lse, lse_grad):
 
 
 def accumulate_parts(parts: Callable, dout, q, k, v, out, lse, delta, *, dq_acc, dk_acc, dv_acc, **block) -> None:
-    """The block-op backward from a `backward_parts`: its gradients added into the accumulators."""
+    """The block-op backward from a `backward_parts`: its gradients added into the accumulators (the
+    contract's parameters, `ringlse.blocks.contract`)."""
     grads = parts(dout, q, k, v, out, lse, delta, **block)
     for acc, parts in zip((dq_acc, dk_acc, dv_acc), grads):
         add_parts(acc, parts)
@@ -205,8 +209,15 @@ def accumulate_parts(parts: Callable, dout, q, k, v, out, lse, delta, *, dq_acc,
 def fused_block_op(name: str, ks: KernelSet) -> BlockOp:
     """The block op (forward, accumulating backward, `forward_parts`, `backward_parts`) of a family of
     fused kernels."""
-    return BlockOp(name, partial(fused_block_forward, ks), partial(accumulate_parts, partial(fused_block_parts, ks)),
-                   uses_delta=False,
-                   backward_parts=partial(fused_block_parts, ks), forward_parts=partial(fused_block_states, ks))
+    return parts_block_op(name, partial(fused_block_forward, ks), partial(fused_block_states, ks),
+                          partial(fused_block_parts, ks))
+
+
+def parts_block_op(name: str, forward: Callable, forward_parts: Callable, backward_parts: Callable,
+                   caps: Capabilities = Capabilities()) -> BlockOp:
+    """A block op whose kernels return new tensors (`Parts`) and compute `rowsum(dout * out)`
+    themselves; its accumulating backward adds the parts."""
+    return BlockOp(name, forward, partial(accumulate_parts, backward_parts), caps,
+                   Parts(forward_parts, backward_parts), delta=None)
 
 

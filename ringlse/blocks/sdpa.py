@@ -1,7 +1,8 @@
 """The `sdpa` block op: PyTorch's fused attention kernels, which return the lse a ring needs.
 
-Kernels, tried in this order; the first that accepts the inputs runs, and a fused kernel that raised
-for a (device, dtype, head dim) is not asked again for it (a warning names the error once):
+Kernels, tried in this order on every call; the first that accepts the inputs runs (a warning names
+each kernel that raised). Nothing is remembered between calls, so a kernel's choice depends on the
+call's inputs alone and every rank of a ring with the same inputs runs the same kernel:
 
 | name        | op (`torch.ops.aten.*`)                                   | dtypes          |
 | ----------- | --------------------------------------------------------- | --------------- |
@@ -248,8 +249,7 @@ _DEFAULT_ORDER = {"cuda": ("cudnn", "flash", "efficient"), "cpu": ("flash_cpu", 
 @dataclass
 class _State:
     order: tuple[str, ...] | None = None  # set by use_kernels()
-    rejected: dict[tuple, set[str]] = field(default_factory=dict)
-    last_used: dict[str, str] = field(default_factory=dict)
+    last_used: dict[str, str] = field(default_factory=dict)  # what served the latest calls, for tests
 
 
 _STATE = _State()
@@ -278,21 +278,21 @@ def last_kernels() -> dict[str, str]:
 
 
 def _run(phase: str, q: torch.Tensor, *args):
-    """Run `phase` ("forward"/"backward") on the first kernel that accepts the inputs."""
+    """Run `phase` ("forward"/"backward") on the first kernel that accepts this call's inputs.
+
+    Decided per call: a kernel that raised is asked again next call (a process-wide ban after one
+    error let one rank of a ring switch kernels for good while the others did not)."""
     order = _STATE.order or _DEFAULT_ORDER.get(q.device.type, ("math",))
-    key = (q.device, q.dtype, q.shape[-1], phase)
-    rejected = _STATE.rejected.setdefault(key, set())
     errors = []
     for name in order:
         kernel = KERNELS[name]
-        if name in rejected or q.dtype not in kernel.dtypes:
+        if q.dtype not in kernel.dtypes:
             continue
         try:
             result = getattr(kernel, phase)(*args)
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, TypeError, AttributeError, NotImplementedError) as err:
-            rejected.add(name)
             errors.append(f"{name}: {err}")
             warnings.warn(
                 f"ringlse sdpa: the {name} kernel rejected {phase} for {q.dtype}, head dim {q.shape[-1]} on "
@@ -305,8 +305,7 @@ def _run(phase: str, q: torch.Tensor, *args):
         return result
     raise RuntimeError(
         f"ringlse sdpa: no kernel among {order} accepts {phase} for {q.dtype}, head dim {q.shape[-1]} on "
-        f"{q.device}: {errors or 'dtype not supported'} (kernels rejected earlier in this process are not "
-        "asked again); another backend may serve (ringlse.available_backends)"
+        f"{q.device}: {errors or 'dtype not supported'}; another backend may serve (ringlse.available_backends)"
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ringlse.blocks.contract import BlockOp
+from ringlse.blocks.contract import BlockOp, Capabilities, Masks
 from ringlse.checks import lse_dtype
 from ringlse.masks import Intervals, visibility_mask
 from ringlse.merge import merge_weights
@@ -73,6 +73,8 @@ def torch_block_backward(
     lse_grad: torch.Tensor | None = None,  # already in delta (block-op contract)
     intervals: Intervals | None = None,
 ) -> None:
+    """The block-op backward in PyTorch math (P from the global lse, CONVENTIONS.md §6). Its parameters
+    are the block-op contract's (`ringlse.blocks.contract`), one per operand and mask argument."""
     b, sq, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv
@@ -92,5 +94,5 @@ def torch_block_backward(
         dk_acc += torch.einsum("bkgij,bikgd->bjkd", ds, q.to(acc).reshape(b, sq, hkv, g, d))
 
 
-TORCH_BLOCK_OP = BlockOp("torch", torch_block_forward, torch_block_backward, takes_intervals=True,
-                         split_backward=True)
+TORCH_BLOCK_OP = BlockOp("torch", torch_block_forward, torch_block_backward,
+                         Capabilities(Masks.INTERVALS, split_backward=True))

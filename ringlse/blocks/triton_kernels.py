@@ -7,7 +7,7 @@ bounds on the inputs' device."""
 
 from __future__ import annotations
 
-from ringlse.blocks.contract import BlockOp
+from ringlse.blocks.contract import BlockOp, Capabilities, Masks
 from ringlse.kernel_import import kernel_module
 from ringlse.masks import Intervals
 
@@ -33,5 +33,7 @@ def triton_block_backward(dout, q, k, v, out, lse, delta, *, intervals: Interval
     _bwd.attention_backward(dout, q, k, v, out, lse, delta, **block)
 
 
-TRITON_BLOCK_OP = BlockOp("triton", triton_block_forward, triton_block_backward, delta=_bwd.attention_delta,
-                          takes_intervals=True, split_backward=True, dq_with_dkdv=_bwd.dq_with_dkdv, writes_fresh=True)
+TRITON_BLOCK_OP = BlockOp("triton", triton_block_forward, triton_block_backward,
+                          Capabilities(Masks.INTERVALS, split_backward=True, writes_fresh=True,
+                                       dq_with_dkdv=_bwd.dq_with_dkdv),
+                          delta=_bwd.attention_delta)

@@ -1,6 +1,20 @@
-"""Ring attention over a `torch.distributed` group: the loop (`loop`), layouts and step plans
-(`plan`), point-to-point transport (`comm`), copy-engine pulls within one host (`pull`) and the
-agreement on inputs before any K/V moves (`agree`)."""
+"""Ring attention over a `torch.distributed` group.
+
+| module         | what                                                                       |
+| -------------- | -------------------------------------------------------------------------- |
+| `api`          | `ring_attention`: the options into a `RingSpec`, then `ringlse.ops`        |
+| `entry`        | `ring_plan`: checks, the agreement, the plan of a call                     |
+| `forward`      | the forward loop                                                           |
+| `backward`     | the backward loop and how a step's gradients are cut into pieces           |
+| `kv_transport` | how K/V blocks move: NCCL neighbour, NCCL direct, copy engine              |
+| `dkv_return`   | how dk/dv go home to their owner: NCCL, copy engine                        |
+| `pull`         | copy-engine pulls of K/V within one host (symmetric memory)                |
+| `dkv_pull`     | copy-engine pulls of the backward's float32 dk/dv pieces                   |
+| `comm`         | point-to-point plumbing, fault reporting, NCCL settings                    |
+| `agreement`    | the ranks' agreement on inputs before any K/V moves (`AgreementRow`)       |
+| `plan`         | layouts, `shard`/`unshard`, per-step block plans and routes                |
+| `call`         | `RingCall`: one call's op, plans, route, transport and limits              |
+"""
 
 from ringlse.ring.comm import nccl_options, tune_nccl_env
 from ringlse.ring.api import ring_attention

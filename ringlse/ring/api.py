@@ -1,5 +1,5 @@
 """`ring_attention`, the public entry point of the ring (CONVENTIONS.md §6): options into a `RingSpec`,
-then the one autograd path of `ringlse.ops` (the loop itself: `ringlse.ring.loop`)."""
+then the one autograd path of `ringlse.ops` (the plan: `ringlse.ring.entry`; the loops: `ringlse.ring.forward`, `ringlse.ring.backward`)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ringlse.ring.agree import Agreement, Describe, post_agreement
+from ringlse.ring.agreement import Agreement, Describe, post_agreement
 
 # NCCL picks how many channels carry a point-to-point message from its size in chunks: with the
 # default 512 KiB NVLink chunk, a 64-128 MiB K/V block moved at ~110 GiB/s on 4xH200 (NCCL 2.28),
@@ -244,7 +244,7 @@ class RingComm:
     def post_agreement(self, meta: Sequence[int], error: str | None, timeout: datetime.timedelta | None = None,
                        describe: Describe | None = None) -> Agreement:
         """Start comparing `meta` (ints describing this rank's inputs) and its local `error` across
-        the ranks (`ringlse.ring.agree`); every rank calls it once per ring call. Its waits last at
+        the ranks (`ringlse.ring.agreement`); every rank calls it once per ring call. Its waits last at
         most `timeout` (None: the group's)."""
         limit = self.timeout() if timeout is None else timeout
         return post_agreement(self.rank, self.world, self.host_group(), meta, error, limit=limit,

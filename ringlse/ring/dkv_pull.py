@@ -27,8 +27,9 @@ first time while a wait is pending on a dead peer blocks the host there (`CUDA_M
 closes it); the fault tests run a good call first.
 
 Used for pieces of keys (`ringlse.ring.backward.DKV_PIECES`, W >= 3) of ops that accumulate dk/dv
-in float32 (`backward_parts` None), under the same switch as the K/V pulls; a piece whose keys do
-not fit a slot (masked calls kept whole) travels by NCCL: both ends decide it from the same plan.
+in float32 (the `InPlace` accumulation, `ringlse.blocks.accumulate`), under the same switch as the
+K/V pulls (`ringlse.ring.dkv_return.CopyEngineReturn`); a piece whose keys do not fit a slot (masked
+calls kept whole) travels by NCCL: both ends decide it from the same plan.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ringlse.blocks.contract import BlockCall
+from ringlse.blocks.calls import BlockCall
 from ringlse.masks import BlockKind, Intervals, Rule, Span, block_kind, planned_intervals
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
@@ -246,7 +246,7 @@ def kv_route(layout: str, world: int, n: int, rule: Rule) -> Route:
     from every rank's plans (each rank computes the same). Cached like `step_plans`.
 
     A plain rule (causal or none) has rank W-1 read every step in full: neighbour passing, the
-    overlap design of `ringlse.ring.loop`. A window or documents may leave steps unread and rows
+    overlap design of `ringlse.ring.forward`. A window or documents may leave steps unread and rows
     unseen; direct sends then move only what is read, but to peers r +- s, which across hosts
     cross more links than neighbours do: taken where they skip a whole step or move at most half
     the rows (otherwise every step is read, and neighbour passing runs them all)."""

@@ -1,5 +1,5 @@
 """The agreement before any K/V moves: every rank of the ring posts a row of integers describing its
-inputs (shapes, dtype, options) and whether it found its own inputs invalid; then every rank raises
+inputs (`AgreementRow`: shapes, dtype, options) and whether it found its own inputs invalid; then every rank raises
 the same ValueError when any rank's inputs are bad or two ranks disagree, or goes on together.
 
 One path: a gloo all-to-all of the rows over the ring's ranks (the ring's own group when it is gloo,
@@ -14,11 +14,17 @@ ValueError reads the same on every rank: `ring_attention: invalid input: rank 0:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from ringlse.checks import SUPPORTED_DTYPES
+from ringlse.masks import Rule
+from ringlse.ring.plan import LAYOUTS
 
 # Rows start with a marker, so that the rows that arrived can be told from those that did not.
 _ARRIVED = 1
@@ -29,6 +35,71 @@ TEXT_BYTES = 300
 Describe = Callable[[Sequence[int]], dict[str, str]]
 # `fault(step, peers, original)` -> the RuntimeError of a failed exchange (`RingComm.fault`).
 Fault = Callable[[int, Sequence[int], BaseException], RuntimeError]
+
+
+@dataclasses.dataclass(frozen=True)
+class AgreementRow:
+    """What the ranks of one ring call must agree on, as the fixed-length row of integers they
+    exchange (`to_row` / `from_row`). A rank whose inputs are invalid sends the
+    row (`invalid()`: the error flag decides; every row has the same length, as the exchange needs)."""
+
+    q_shape: tuple[int, ...]
+    kv_shape: tuple[int, ...]
+    dtype: int  # index into `SUPPORTED_DTYPES`
+    causal: bool
+    layout: int  # index into `LAYOUTS`
+    scale: int  # softmax_scale * 2**30, rounded: ranks compare integers, never floats
+    return_lse: bool
+    copy_engines: bool  # the K/V transport (`ringlse.ring.kv_transport.Transport`)
+    window: tuple[int, int]
+    doc_count: int  # document boundaries
+    doc_digest: int  # a 56-bit digest of them (the row holds int64)
+
+    NAMES = ("q shape", "k/v shape", "dtype", "causal", "layout", "softmax_scale", "return_lse", "K/V transport",
+             "window_size", "documents")
+
+    @classmethod
+    def of_call(cls, q: torch.Tensor, k: torch.Tensor, causal: bool, layout: str, scale: float, return_lse: bool,
+                copy_engines: bool, rule: Rule) -> AgreementRow:
+        """The row of a call whose inputs this rank found valid."""
+        docs = rule.docs or ()
+        digest = hashlib.blake2b(repr(docs).encode(), digest_size=7).digest()
+        return cls(tuple(q.shape), tuple(k.shape), SUPPORTED_DTYPES.index(q.dtype), causal is True,
+                   LAYOUTS.index(layout), round(scale * 2**30), return_lse is True, copy_engines, tuple(rule.window),
+                   len(docs), int.from_bytes(digest, "little"))
+
+    @classmethod
+    def invalid(cls) -> AgreementRow:
+        """The row of a rank that found its own inputs invalid."""
+        return cls((-1,) * 4, (-1,) * 4, -1, False, -1, 0, False, False, (-2, -2), -1, 0)
+
+    def to_row(self) -> list[int]:
+        return [*self.q_shape, *self.kv_shape, self.dtype, int(self.causal), self.layout, self.scale,
+                int(self.return_lse), int(self.copy_engines), *self.window, self.doc_count, self.doc_digest]
+
+    @classmethod
+    def from_row(cls, row: Sequence[int]) -> AgreementRow:
+        r = [int(x) for x in row]
+        return cls(tuple(r[0:4]), tuple(r[4:8]), r[8], bool(r[9]), r[10], r[11], bool(r[12]), bool(r[13]),
+                   (r[14], r[15]), r[16], r[17])
+
+    def describe(self) -> dict[str, str]:
+        """The row as named fields, for a disagreement's message."""
+        if self.q_shape[0] < 0:
+            return {name: "(invalid)" for name in self.NAMES}
+        dtype = SUPPORTED_DTYPES[self.dtype] if 0 <= self.dtype < len(SUPPORTED_DTYPES) else self.dtype
+        layout = LAYOUTS[self.layout] if 0 <= self.layout < len(LAYOUTS) else self.layout
+        docs = "none" if self.doc_count == 0 else f"{self.doc_count} boundaries (digest {self.doc_digest:014x})"
+        values = (self.q_shape, self.kv_shape, dtype, self.causal, layout, f"{self.scale / 2**30:.6g}",
+                  self.return_lse, "copy engines" if self.copy_engines else "point-to-point", self.window, docs)
+        return {name: str(value) for name, value in zip(self.NAMES, values)}
+
+
+
+
+def describe_row(row: Sequence[int]) -> dict[str, str]:
+    """`Describe` for rows of `AgreementRow`s."""
+    return AgreementRow.from_row(row).describe()
 
 
 class Agreement:
