@@ -28,8 +28,8 @@ import time
 import torch
 import triton
 
-from ringlse.kernels import softmax as ks
-from ringlse.kernels.launch import recorded_launches
+from ringlse.lse.kernels import softmax as ks
+from ringlse.lse.kernels.launch import recorded_launches
 
 # (rows, cols, dtype): the launch-bound float32 cases of lse_toolkit.py, then inputs that fill the GPU
 CASES = [(8, 131072, torch.float32), (4, 1 << 20, torch.float32), (4096, 1000, torch.float32),

@@ -1,7 +1,7 @@
 """LSE toolkit against PyTorch: softmax / log_softmax / logsumexp and the log-semiring bmm (DESIGN §8, §9).
 
 Softmax family, per `rows x cols` (about 64M elements each, so every tensor is several times the L2):
-ours (the `ringlse.kernels.softmax` launchers) vs `torch.softmax` / `torch.log_softmax` /
+ours (the `ringlse.lse.kernels.softmax` launchers) vs `torch.softmax` / `torch.log_softmax` /
 `torch.logsumexp`, forward and backward (PyTorch's backward: the ops its autograd runs, see `_fns`;
 neither side pays autograd overhead), as time, GB/s and GB/s over the device copy
 bandwidth measured in this same run (`dst.copy_(src)` of 1 GiB, read + write). Bytes counted: forward
@@ -19,7 +19,7 @@ input fits in L2, for both sides; small inputs are launch-bound in eager mode an
 what the kernels take. The run tunes first: short
 sweeps of the dispatch constants (row-block limit, long-row chunk and warps, split threshold, the
 cooperative kernels' pieces, log_bmm tiles) pick the winners, under which the main measurements run
-(`config_override` of `ringlse.kernels.softmax` and `ringlse.kernels.log_bmm`); the JSON records them
+(`config_override` of `ringlse.lse.kernels.softmax` and `ringlse.lse.kernels.log_bmm`); the JSON records them
 (`tuned_*`, `variants`, `log_bmm_variants`, and the whole configs measured: `tuning_*`); the committed
 constants (`CONFIG`) are those winners.
 
@@ -31,7 +31,7 @@ One device call (nvidia-h200, about 4 minutes: ~60 kernel compiles for the GPU t
 benchmark); note `python3 -m pip`: the device's bare `pip` belongs to another interpreter, and an install
 that silently fails leaves `ringlse.kernels` missing:
     python3 -m pip install -q -e . --no-build-isolation --no-deps > $OUT/pip.log 2>&1 || ln -s ../kernels ringlse/kernels;
-    export PYTHONPATH=$PWD PYTHONUNBUFFERED=1; python3 -c "import ringlse.kernels.softmax, ringlse.kernels.log_bmm";
+    export PYTHONPATH=$PWD PYTHONUNBUFFERED=1; python3 -c "import ringlse.lse.kernels.softmax, ringlse.lse.kernels.log_bmm";
     timeout 100 python3 -m pytest tests/test_lse_toolkit_gpu.py -q -m gpu -p no:cacheprovider 2>&1 | tee $OUT/gpu_tests.log | tail -25;
     timeout 150 python3 benchmarks/lse_toolkit.py --out $OUT 2>&1 | tee $OUT/bench.log | tail -45
 """
@@ -51,8 +51,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from ringlse.kernels import log_bmm as kl
-from ringlse.kernels import softmax as ks
+from ringlse.lse.kernels import log_bmm as kl
+from ringlse.lse.kernels import softmax as ks
 
 # DESIGN §9, one H200, torch 2.11, triton 3.6
 PEER_FIGURES = {

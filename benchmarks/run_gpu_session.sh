@@ -8,7 +8,7 @@ log="$out/session.log"
 export PYTHONUNBUFFERED=1
 # `python3 -m pip`: the machine's bare `pip` belongs to another interpreter
 python3 -m pip install -q -e . --no-build-isolation --no-deps >/tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
-python3 -c "import ringlse.blocks.triton_kernels, ringlse.kernels.merge, ringlse.kernels.softmax; print('ringlse.kernels ok')" || exit 1
+python3 -c "import ringlse.blocks.triton_kernels, ringlse.kernels.merge, ringlse.lse.kernels.softmax; print('ringlse.kernels and ringlse.lse.kernels ok')" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$log"
 n=$(python3 -c "import torch; print(torch.cuda.device_count())")
 rc=0

@@ -23,7 +23,7 @@ pytestmark = INTERPRETER_WARNINGS
 def test_launch_spec_features():
     """`_spec` is at least as fine as Triton 3.6's specialisation: every class Triton compiles apart
     gets its own features, and values Triton treats alike may share them."""
-    from ringlse.kernels.launch import _spec
+    from ringlse.lse.kernels.launch import _spec
 
     buf = torch.empty(64)
     aligned, offset = buf[:8], buf[1:9]
@@ -220,7 +220,7 @@ def test_launch_takes_tritons_path_when_it_must(kernels, monkeypatch):
 
     from ringlse.kernels import launch as kl
 
-    from ringlse.kernels.softmax.row_kernels import fwd_rows_kernel
+    from ringlse.lse.kernels.softmax.row_kernels import fwd_rows_kernel
 
     assert not kl._fast_path_on(fwd_rows_kernel)  # the interpreter (these CPU tests)
     assert kl._hook_idle(None) and kl._hook_idle(HookChain())
@@ -234,7 +234,7 @@ def test_launch_takes_tritons_path_when_it_must(kernels, monkeypatch):
 
 @pytest.fixture
 def lbmm():
-    from ringlse.kernels import log_bmm as kl
+    from ringlse.lse.kernels import log_bmm as kl
 
     return kl
 

@@ -14,7 +14,7 @@ from ringlse.kernels.host import ActiveConfig
 
 @dataclass(frozen=True)
 class SoftmaxConfig:
-    """Dispatch constants of `ringlse.kernels.softmax`; `CONFIG` holds the measured values."""
+    """Dispatch constants of `ringlse.lse.kernels.softmax`; `CONFIG` holds the measured values."""
 
     # rows held whole in registers (`row_kernels.py`)
     max_row_block: int = 32768  # forward: rows up to this many columns stay in registers
