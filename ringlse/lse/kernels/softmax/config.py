@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ringlse.kernels.host import ActiveConfig
+from ringlse.lse.kernels.active_config import ActiveConfig
 
 
 @dataclass(frozen=True)
