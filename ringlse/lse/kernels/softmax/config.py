@@ -1,5 +1,5 @@
-"""The softmax launchers' constants, measured on H200 (`benchmarks/NOTES.md`, "softmax constants", has
-the measurement behind each), and the one way to change them: `config_override`.
+"""The softmax launchers' constants, the winners of `benchmarks/lse_toolkit.py`'s sweeps on H200 (its
+JSON records each variant timed), and the one way to change them: `config_override`.
 
 A call plan depends on the active config and keys on it: a change takes effect at the next call.
 """
