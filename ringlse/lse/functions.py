@@ -49,6 +49,16 @@ def _check_dim(what: str, x: torch.Tensor, dim: int) -> int:
     return dim
 
 
+def _softmax(what: str, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    """softmax or log_softmax (`log`) after the checks, on the kernels where they serve."""
+    _check_float(what, x)
+    dim = _check_dim(what, x, dim)
+    kernels = _kernels("softmax", x)
+    if kernels is not None:
+        return kernels.log_softmax(x, dim) if log else kernels.softmax(x, dim)
+    return torch_softmax(x, dim, log=log)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Public functions
 # ----------------------------------------------------------------------------------------------------
@@ -68,12 +78,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     Returns:
         shape and dtype of `x`.
     """
-    _check_float("softmax", x)
-    dim = _check_dim("softmax", x, dim)
-    kernels = _kernels("softmax", x)
-    if kernels is not None:
-        return kernels.softmax(x, dim)
-    return torch_softmax(x, dim, log=False)
+    return _softmax("softmax", x, dim, log=False)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -89,12 +94,7 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     Returns:
         shape and dtype of `x`.
     """
-    _check_float("log_softmax", x)
-    dim = _check_dim("log_softmax", x, dim)
-    kernels = _kernels("softmax", x)
-    if kernels is not None:
-        return kernels.log_softmax(x, dim)
-    return torch_softmax(x, dim, log=True)
+    return _softmax("log_softmax", x, dim, log=True)
 
 
 def logsumexp(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
