@@ -139,7 +139,15 @@ def launch_ab(out_dir: str) -> dict:
         result["verdict"] = f"no fast path on Triton {triton.__version__}: nothing to compare"
     else:
         for case in _cases():
-            rec = measure(case)
+            try:
+                rec = measure(case)
+            except Exception as e:  # a case that fails is data too; the others still run
+                rec = {k: v for k, v in case.items() if k != "fn"}
+                result["cases"].append(dict(rec, error=repr(e)[:300]))
+                print(f"{rec['op']} {rec['shape']} {rec['dtype']} {rec['direction']}: {e!r}"[:300], flush=True)
+                continue
+            finally:
+                _set_fast(True)
             result["cases"].append(rec)
             print(f"{rec['op']:12s}{'x'.join(map(str, rec['shape'])):>18s} {rec['dtype']:9s}{rec['direction']:20s}"
                   f" loop fast {rec['loop_us']['fast']:9.1f} us  triton {rec['loop_us']['triton']:9.1f} us"
@@ -147,12 +155,17 @@ def launch_ab(out_dir: str) -> dict:
                   f" {rec['launcher_launches_per_call']} launches)", flush=True)
             with open(path, "w") as f:
                 json.dump(result, f, indent=1)
+        done = [r for r in result["cases"] if "error" not in r]
         # (a case whose calls the launcher makes no launch of cannot be bought anything by it)
-        users = [r for r in result["cases"] if not r.get("control") and r["launcher_launches_per_call"]]
+        users = [r for r in done if not r.get("control") and r["launcher_launches_per_call"]]
         best = max(users, key=lambda r: r["saving"])
-        control = [r["saving"] for r in result["cases"] if r.get("control")]
+        control = [r["saving"] for r in done if r.get("control")]
         result["best"] = {k: best[k] for k in ("op", "shape", "dtype", "direction", "loop_us", "saving")}
         result["control_saving_range"] = [min(control), max(control)] if control else None
+        result["savings"] = [  # every case, largest saving first: the table to read
+            f"{r['saving']:+.1%} {r['op']} {'x'.join(map(str, r['shape']))} {r['dtype']} {r['direction']}"
+            f"{' (control)' if r.get('control') else ''}: {r['loop_us']['fast']:.1f} vs {r['loop_us']['triton']:.1f} us"
+            for r in sorted(done, key=lambda r: -r["saving"])]
         result["keep_fast_launcher"] = best["saving"] >= BAR
         result["verdict"] = (
             f"keep the launcher: {best['saving']:.1%} saved on {best['op']} {best['shape']} {best['dtype']} "
