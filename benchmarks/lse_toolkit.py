@@ -1,7 +1,7 @@
-"""LSE toolkit against PyTorch: softmax / log_softmax / logsumexp and the log-semiring bmm (CONVENTIONS.md §2.1, §8).
+"""LSE toolkit against PyTorch: softmax / log_softmax / logsumexp and the log-semiring bmm (DESIGN §8, §9).
 
 Softmax family, per `rows x cols` (about 64M elements each, so every tensor is several times the L2):
-ours (the `ringlse.kernels.softmax` launchers) vs `torch.softmax` / `torch.log_softmax` /
+ours (the `ringlse.lse.kernels.softmax` launchers) vs `torch.softmax` / `torch.log_softmax` /
 `torch.logsumexp`, forward and backward (PyTorch's backward: the ops its autograd runs, see `_fns`;
 neither side pays autograd overhead), as time, GB/s and GB/s over the device copy
 bandwidth measured in this same run (`dst.copy_(src)` of 1 GiB, read + write). Bytes counted: forward
@@ -19,13 +19,16 @@ input fits in L2, for both sides; small inputs are launch-bound in eager mode an
 what the kernels take. The run tunes first: short
 sweeps of the dispatch constants (row-block limit, long-row chunk and warps, split threshold, the
 cooperative kernels' pieces, log_bmm tiles) pick the winners, under which the main measurements run
-(`config_override` of `ringlse.kernels.softmax` and `ringlse.kernels.log_bmm`); the JSON records them
+(`config_override` of `ringlse.lse.kernels.softmax` and `ringlse.lse.kernels.log_bmm`); the JSON records them
 (`tuned_*`, `variants`, `log_bmm_variants`, and the whole configs measured: `tuning_*`); the committed
 constants (`CONFIG`) are those winners.
 
 Usage: python benchmarks/lse_toolkit.py [--out DIR] [--quick] [--skip tune,family,log_bmm] [--no-coop]
     writes DIR/lse_toolkit-<gpu>.json and DIR/lse_toolkit-<gpu>-{softmax,log_bmm}.png; --quick: the
     committed constants (no sweeps), float32 cases and three log_bmm sizes only
+python benchmarks/lse_toolkit.py --launch-ab [--out DIR]
+    the private launcher against Triton's own launch, on the public functions (`lse_launch.py`): writes
+    DIR/lse_launch-<gpu>.json, whose `keep_fast_launcher` and `verdict` say whether it buys >= 10%
 
 On one H200 a full run takes about 2 minutes after the kernels compile.
 """
@@ -45,10 +48,10 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from ringlse.kernels import log_bmm as kl
-from ringlse.kernels import softmax as ks
+from ringlse.lse.kernels import log_bmm as kl
+from ringlse.lse.kernels import softmax as ks
 
-# CONVENTIONS.md §9: peer figures measured on one H200, torch 2.11, triton 3.6
+# DESIGN §9, one H200, torch 2.11, triton 3.6
 PEER_FIGURES = {
     "copy_TBps": 4.27,
     "torch_softmax_fp32_fwd_TBps": [2.0, 2.7],
@@ -58,7 +61,7 @@ PEER_FIGURES = {
 }
 BARS = {
     "softmax_fwd_vs_copy": 0.85,
-    "softmax_bf16_fwd_vs_copy": 0.82,  # bf16 outputs are rounded once from float32, which costs a little bandwidth
+    "softmax_bf16_fwd_vs_copy": 0.82,  # (lower: each output is rounded once from float32)
     "softmax_fwd_vs_torch": 1.3,
     "softmax_bwd_vs_torch": 1.2,
     "logsumexp_vs_torch": 4.0,
@@ -491,7 +494,15 @@ def main() -> None:
                     help="no variant sweeps (the committed constants), float32 cases only, three log_bmm sizes")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: tune,family,log_bmm")
     ap.add_argument("--no-coop", action="store_true", help="measure without the cooperative long-row kernels")
+    ap.add_argument("--launch-ab", action="store_true",
+                    help="only the launcher A/B (lse_launch.py): the public functions with the private launcher "
+                         "on and off by turns, to DIR/lse_launch-<gpu>.json")
     args = ap.parse_args()
+    if args.launch_ab:
+        from lse_launch import launch_ab  # (this file's folder is on sys.path when run as a script)
+
+        launch_ab(args.out)
+        return
     skip = set(filter(None, args.skip.split(",")))
     if args.quick:
         skip.add("tune")

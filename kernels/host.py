@@ -11,11 +11,7 @@ is the whole cost of a call, so the launchers use these plain versions (~0.05 us
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
-from collections.abc import Iterator
-from typing import Generic, TypeVar
 
 # the spellings of "true" Triton's own switch takes (`triton.knobs.runtime.interpret`, case-insensitive)
 _TRUE = frozenset(("1", "true", "on", "yes", "y"))
@@ -53,30 +49,3 @@ def tma_indexable(t) -> bool:
     """Whether TMA can index `[b, s, heads, d]` `t` as `[b * s, heads * d]` rows (16-byte aligned)."""
     view = rows_view(t)
     return view is not None and t.data_ptr() % 16 == 0 and (view[1][0] * t.element_size()) % 16 == 0
-
-
-C = TypeVar("C")
-
-
-class ActiveConfig(Generic[C]):
-    """A frozen config of measured constants and the one test-only way to change it: `override(**fields)`,
-    a context manager (tests and benchmark sweeps; process-wide, not per thread)."""
-
-    def __init__(self, default: C):
-        self.default = default
-        self._active = default
-
-    def get(self) -> C:
-        """The config launches use now: the default, or the innermost override's."""
-        return self._active
-
-    @contextlib.contextmanager
-    def override(self, **changes) -> Iterator[C]:
-        """Within the block, the active config's fields replaced by `changes` (unknown names raise
-        TypeError)."""
-        previous = self._active
-        self._active = dataclasses.replace(previous, **changes)
-        try:
-            yield self._active
-        finally:
-            self._active = previous

@@ -1,5 +1,5 @@
 """Triton kernels imported on first use, so that `import ringlse` needs neither Triton nor a GPU: the
-one way the package reaches `ringlse.kernels`."""
+one way the package reaches `ringlse.kernels` (and the LSE toolkit its `ringlse.lse.kernels`)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ from types import ModuleType
 
 
 @functools.cache
-def kernel_module(name: str) -> ModuleType | None:
-    """`ringlse.kernels.<name>`, or None where the caller's PyTorch path serves: no Triton, or a
-    source tree used without `pip install -e .` (`kernels/` installs as `ringlse.kernels`; said once)."""
+def kernel_module(name: str, package: str = "ringlse.kernels") -> ModuleType | None:
+    """`<package>.<name>`, or None where the caller's PyTorch path serves: no Triton, or a source tree
+    used without `pip install -e .` (`kernels/` installs as `ringlse.kernels`, which the LSE toolkit's
+    kernels import too; said once)."""
     try:
-        return importlib.import_module(f"ringlse.kernels.{name}")
+        return importlib.import_module(f"{package}.{name}")
     except ImportError as err:
         if have_triton():
-            warnings.warn(f"ringlse.kernels.{name} is not importable ({err}); the PyTorch path serves", RuntimeWarning)
+            warnings.warn(f"{package}.{name} is not importable ({err}); the PyTorch path serves", RuntimeWarning)
         return None
 
 

@@ -28,7 +28,7 @@ def device():
 # the LSE toolkit's kernels and the launches they make (tests/test_lse_*.py)
 @pytest.fixture
 def kernels():
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import softmax as ks
 
     return ks
 
@@ -36,7 +36,7 @@ def kernels():
 @pytest.fixture
 def launches():
     """The launches the softmax launchers make during the test (`launch.recorded_launches`)."""
-    from ringlse.kernels.launch import recorded_launches
+    from ringlse.lse.kernels.launch import recorded_launches
 
     with recorded_launches() as seen:
         yield seen

@@ -1,29 +1,24 @@
-"""The LSE toolkit's launch path (`kernels/launch.py`: Triton's launch without its binder, tested on
-fakes here and on the GPU in tests/test_lse_toolkit_gpu.py) and the log_bmm kernels under the interpreter.
-Judged as tests/test_lse_toolkit.py says."""
+"""The LSE toolkit's launch path (`ringlse/lse/kernels/launch.py`: Triton's launch without its binder),
+tested on fakes here and on the GPU in tests/test_lse_toolkit_gpu.py. Judged as tests/test_lse_toolkit.py
+says."""
 
 from __future__ import annotations
-
 
 import pytest
 import torch
 
-from ringlse.testing import assert_judged
-from lse_checks import (
-    INTERPRETER_WARNINGS, KERNEL_DTYPES, LOG_BMM_CASES, judge_against, kernel_forward, log_bmm_ref, make_ab, make_x,
-)
+from lse_checks import INTERPRETER_WARNINGS, judge_against, kernel_forward, make_x
 
 pytestmark = INTERPRETER_WARNINGS
 
 # ----------------------------------------------------------------------------------------------------
-# kernels/launch.py: Triton's launch without its binder (the fast path needs CUDA; its logic is tested
-# here on fakes, its kernels on the GPU below)
+# the fast path needs CUDA: its logic is tested here on fakes, its kernels in tests/test_lse_toolkit_gpu.py
 
 
 def test_launch_spec_features():
     """`_spec` is at least as fine as Triton 3.6's specialisation: every class Triton compiles apart
     gets its own features, and values Triton treats alike may share them."""
-    from ringlse.kernels.launch import _spec
+    from ringlse.lse.kernels.launch import _spec
 
     buf = torch.empty(64)
     aligned, offset = buf[:8], buf[1:9]
@@ -77,7 +72,7 @@ def test_launch_cache_and_call_protocol(monkeypatch):
     metadata, no hooks, every parameter in signature order, constexprs included); a key differing in
     any specialisation feature (integers: in value) compiles again; what the fast path does not handle
     goes to kernel[grid]."""
-    from ringlse.kernels import launch as kl
+    from ringlse.lse.kernels import launch as kl
 
     monkeypatch.setattr(kl, "_CACHE", {})
     monkeypatch.setattr(kl, "_fast_path_on", lambda kernel: True)
@@ -144,7 +139,7 @@ def test_bound_launch_call_protocol(monkeypatch):
     scratch goes through the wrapper, and what the fast path does not handle goes to Triton's path."""
     from triton.knobs import HookChain
 
-    from ringlse.kernels import launch as kl
+    from ringlse.lse.kernels import launch as kl
 
     monkeypatch.setattr(kl, "_CACHE", {})
     monkeypatch.setattr(kl, "_JITFunction", _FakeBoundKernel)
@@ -193,7 +188,7 @@ def test_fast_path_only_on_the_triton_it_knows(monkeypatch):
     """The fast paths call Triton 3.6's launcher internals, so they are on for 3.6 only (`FAST_PATH`);
     with them off (another Triton, forced here) a `BoundLaunch` is Triton's own `kernel[grid](...)`,
     through the same interface and with the same arguments."""
-    from ringlse.kernels import launch as kl
+    from ringlse.lse.kernels import launch as kl
 
     assert kl.fast_path_supported("3.6.0") and kl.fast_path_supported("3.6.1+git1a2b3c")
     assert not any(map(kl.fast_path_supported, ("3.5.1", "3.7.0", "4.6.0", "36.0", "dev")))
@@ -218,9 +213,9 @@ def test_fast_path_only_on_the_triton_it_knows(monkeypatch):
 def test_launch_takes_tritons_path_when_it_must(kernels, monkeypatch):
     from triton.knobs import HookChain
 
-    from ringlse.kernels import launch as kl
+    from ringlse.lse.kernels import launch as kl
 
-    from ringlse.kernels.softmax.row_kernels import fwd_rows_kernel
+    from ringlse.lse.kernels.softmax.row_kernels import fwd_rows_kernel
 
     assert not kl._fast_path_on(fwd_rows_kernel)  # the interpreter (these CPU tests)
     assert kl._hook_idle(None) and kl._hook_idle(HookChain())
@@ -230,72 +225,3 @@ def test_launch_takes_tritons_path_when_it_must(kernels, monkeypatch):
     # under the interpreter `launch` is kernel[grid]: a short softmax through it
     x = make_x((5, 97), -1, torch.float32, seed=21)
     judge_against("fwd", kernel_forward(kernels, "softmax", x, -1), x, -1, "softmax", torch.float32)
-
-
-@pytest.fixture
-def lbmm():
-    from ringlse.kernels import log_bmm as kl
-
-    return kl
-
-
-@pytest.mark.parametrize("scale", [2.0, 100.0], ids=["x1", "x100"])
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("dims", LOG_BMM_CASES)
-def test_kernel_log_bmm(lbmm, dims, dtype, scale):
-    a, b = make_ab(*dims, dtype, scale=scale, seed=11)
-    out = lbmm.log_bmm_forward(a, b, out=torch.full((dims[0], dims[1], dims[3]), float("nan")))
-    g = torch.randn(out.shape)
-    ga, gb = lbmm.log_bmm_backward(a, b, out, g)
-    ref, ra, rb = log_bmm_ref(a, b, g)
-    # float16 inputs are computed in float32 from exactly those values: the float32 bound applies
-    assert_judged("out", out, ref, None, torch.float32)
-    assert_judged("grad_a", ga, ra, None, torch.float32)
-    assert_judged("grad_b", gb, rb, None, torch.float32)
-    assert not (out.isnan().any() or ga.isnan().any() or gb.isnan().any())
-    # all -inf entries of out stay -inf and pass exactly zero gradient (CONVENTIONS.md §2): row N // 2 of batch 0
-    # and column P - 1 of the last batch
-    assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
-    assert torch.isneginf(out[0, dims[1] // 2]).all() and torch.isneginf(out[-1, :, -1]).all()
-    ga0, gb0 = lbmm.log_bmm_backward(a, b, out, torch.where(torch.isneginf(out), g, 0.0))
-    assert torch.all(ga0 == 0) and torch.all(gb0 == 0)
-
-
-@pytest.mark.parametrize("knobs", [
-    {"dot_min_tiles": 1 << 62},  # the exact kernel alone
-    {"dot_min_tiles": 1, "dot_bx": 16, "dot_by": 16, "dot_bs": 8},  # wide tiles redone exactly
-    {"dot_min_tiles": 1, "dot_max_shift": -1e9},  # every tile redone exactly
-    {"dot_min_tiles": 1, "dot_max_shift": 1e9},  # factored wherever W stays finite
-    {"dot_min_tiles": 1 << 30},  # too few tiles: the exact kernel alone
-], ids=["exact", "mixed", "all-exact", "all-factored", "few-tiles"])
-def test_kernel_log_bmm_backward_paths(lbmm, knobs):
-    """The factored backward (tile-local maxima, a float32 matmul) and its exact fallback per tile:
-    one half of the inputs spread over hundreds (those tiles fall back), the other over a few units."""
-    a, b = make_ab(2, 40, 50, 36, torch.float32, scale=2.0, seed=12)
-    a[:, 20:] *= 100.0
-    b[:, :, 18:] *= 100.0
-    with lbmm.config_override(**knobs):
-        out = lbmm.log_bmm_forward(a, b)
-        g = torch.randn(out.shape)
-        ga, gb = lbmm.log_bmm_backward(a, b, out, g)
-    _, ra, rb = log_bmm_ref(a, b, g)
-    assert_judged("grad_a", ga, ra, None, torch.float32)
-    assert_judged("grad_b", gb, rb, None, torch.float32)
-    assert not (ga.isnan().any() or gb.isnan().any())
-
-
-def test_kernel_log_bmm_autograd(lbmm):
-    a, b = make_ab(1, 20, 33, 9, torch.float16, seed=12)
-    a.requires_grad_()
-    b.requires_grad_()
-    out = lbmm.log_bmm(a, b)
-    assert out.dtype == torch.float32
-    g = torch.randn(out.shape)
-    ga, gb = torch.autograd.grad(out, (a, b), g)
-    assert ga.dtype == gb.dtype == torch.float16
-    _, ra, rb = log_bmm_ref(a.detach(), b.detach(), g)
-    baseline_a = ra.to(torch.float16)  # the float16 rounding of the exact gradient is what fp16 allows
-    assert_judged("grad_a", ga, ra, baseline_a, torch.float16)
-    assert_judged("grad_b", gb, rb, rb.to(torch.float16), torch.float16)
-
-

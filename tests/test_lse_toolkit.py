@@ -10,8 +10,8 @@ CPU: the PyTorch fallbacks (float64 gradcheck) and the Triton kernels under the 
 float16: the interpreter is only trusted for those, CONVENTIONS.md §7). GPU (`@pytest.mark.gpu`): the public
 functions on CUDA in bf16/fp16/fp32, rows up to 1M columns, and log_bmm.
 
-The kernels' paths are steered through `ringlse.kernels.softmax.config_override` (rows shrunk so that
-small inputs take the long-row kernels) and observed through `ringlse.kernels.launch.recorded_launches`.
+The kernels' paths are steered through `ringlse.lse.kernels.softmax.config_override` (rows shrunk so that
+small inputs take the long-row kernels) and observed through `ringlse.lse.kernels.launch.recorded_launches`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringlse import lse as lt
+from ringlse.lse import torch_paths
 from ringlse.testing import assert_judged
 from lse_checks import (
     F64, INTERPRETER_WARNINGS, KERNEL_DTYPES, LOG_BMM_CASES, MODES, NEG_INF, call_public, grad_from_y, judge_against,
@@ -124,7 +125,7 @@ def test_fallback_log_bmm(dims):
 def test_fallback_log_bmm_gradcheck_and_chunking(monkeypatch):
     a, b = make_ab(2, 5, 9, 4, F64, seed=4, infs=False)
     # k-chunks of 2 (as when memory is short) must give the same function and gradients
-    monkeypatch.setattr(lt, "_LOG_BMM_CHUNK_ELEMS", 2 * 2 * 5 * 4)
+    monkeypatch.setattr(torch_paths, "_LOG_BMM_CHUNK_ELEMS", 2 * 2 * 5 * 4)
     assert torch.autograd.gradcheck(lt.log_bmm, (a.requires_grad_(), b.requires_grad_()))
     torch.testing.assert_close(lt.log_bmm(a, b), log_bmm_ref(a, b))
 
@@ -386,8 +387,8 @@ def test_kernel_aligned_rows_any_length_and_stride(data):
     float32 -> bf16 cast truncates where the GPU rounds to nearest, a whole bf16 ulp that the bound
     derived from PyTorch's own bf16 softmax does not allow on rows of a few elements (found here: a row
     of 2); bf16 runs compiled in `test_gpu_aligned_rows`."""
-    from ringlse.kernels import softmax as ks
-    from ringlse.kernels.launch import recorded_launches
+    from ringlse.lse.kernels import softmax as ks
+    from ringlse.lse.kernels.launch import recorded_launches
 
     dtype = data.draw(st.sampled_from([torch.float32, torch.float16]), "dtype")
     mode = data.draw(st.sampled_from(MODES), "mode")
@@ -412,8 +413,8 @@ def test_cooperative_launch_refused_takes_fewer_programs():
     halves its programs (a whole number of rows in flight unless the kernel takes tasks) and remembers
     the count for the next launch of that plan; below one row's K programs it reports that it ran
     nothing (the call plan is then built again and avoids the grid); other errors propagate."""
-    from ringlse.kernels.launch import FREE
-    from ringlse.kernels.softmax.coop_launch import CoopGrid
+    from ringlse.lse.kernels.launch import FREE
+    from ringlse.lse.kernels.softmax.coop_launch import CoopGrid
 
     grids = []
 
@@ -460,7 +461,7 @@ def test_cooperative_launch_refused_takes_fewer_programs():
 def test_tasks_where_they_take_fewer_steps(R, K, resident, logsumexp, want):
     """The forward takes its tasks in turn over every resident program where that takes fewer steps
     than whole rows in flight, and always for logsumexp (MODE 2)."""
-    from ringlse.kernels.softmax.coop_launch import use_tasks
+    from ringlse.lse.kernels.softmax.coop_launch import use_tasks
 
     assert use_tasks(R, K, lambda tasks: min(R * K, resident), logsumexp) is want
 
@@ -468,8 +469,8 @@ def test_tasks_where_they_take_fewer_steps(R, K, resident, logsumexp, want):
 def test_call_plan_built_again_after_refused_launch():
     """A plan whose cooperative launch was refused outright (`Replan`) is dropped and built again
     (the new one avoids that grid); the plan that worked is kept for the next call of the key."""
-    from ringlse.kernels.softmax.coop_launch import Replan
-    from ringlse.kernels.softmax.plan import PlanCache
+    from ringlse.lse.kernels.softmax.coop_launch import Replan
+    from ringlse.lse.kernels.softmax.plan import PlanCache
 
     builds, runs = [], []
 
@@ -498,7 +499,7 @@ def test_call_plans_follow_layout_and_alignment(kernels, launches, dtype):
     """One plan per layout: tensors of one shape and strides whose data sit on and off 16-byte
     boundaries take different kernels (whichever comes first), and a config change takes effect at the
     next call; every result against float64."""
-    from ringlse.kernels.softmax.plan import CALL_PLANS
+    from ringlse.lse.kernels.softmax.plan import CALL_PLANS
 
     flat = make_x((5, 46), -1, dtype, scale=3.0, seed=31).reshape(-1)
     # rows of 45: off the boundaries; `off` starts 1 element past one (the output rows are fresh)
@@ -521,7 +522,7 @@ def test_call_plans_hold_no_tensor(kernels):
     import gc
     import weakref
 
-    from ringlse.kernels.softmax.plan import CALL_PLANS
+    from ringlse.lse.kernels.softmax.plan import CALL_PLANS
 
     CALL_PLANS.clear()
     x = torch.randn(6, 40, 3).movedim(1, 2)  # (a view whose rows are columns of the storage)
@@ -576,7 +577,7 @@ def test_config_override_is_scoped_and_checked(kernels):
 def test_blocks_per_sm_by_rules(n_regs, warps, shared, blocks):
     """The occupancy rules on known H100/H200 cases (registers allocated per warp in units of 256 from
     one of four sub-partitions of 16K registers; 1 KiB of shared memory reserved per block)."""
-    from ringlse.kernels.occupancy import blocks_per_sm_by_rules
+    from ringlse.lse.kernels.occupancy import blocks_per_sm_by_rules
 
     assert blocks_per_sm_by_rules(n_regs, warps, shared) == blocks
 

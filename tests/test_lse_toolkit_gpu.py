@@ -89,7 +89,7 @@ COOP_CASES = [  # rows, cols, dim, dtype: pieces of a row in registers, merged a
 @pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
 @pytest.mark.parametrize("rows,cols,dim,dtype", COOP_CASES)
 def test_gpu_cooperative_long_rows(launches, rows, cols, dim, dtype, mode, piece, warps):
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import softmax as ks
 
     knobs = {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "coop_max_pieces": 1 << 20,
              "coop_min_rows": 1}
@@ -121,7 +121,7 @@ def test_gpu_bf16_softmax_rounded_once(launches, rows, cols, kernel, scale):
     """The bf16 cooperative softmax rounds each output once, from float32: besides the absolute bound
     every output is judged by, each output of at least 2^-29 of its row's largest keeps its relative
     error within the bf16 rounding (2^-8) and the float32 arithmetic's (2^-12, with room)."""
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import softmax as ks
 
     x = make_x((rows, cols), -1, torch.bfloat16, scale=scale, seed=24, device="cuda")
     ref = softmax_math(x.double(), -1, "softmax")
@@ -151,7 +151,7 @@ def test_gpu_cooperative_tasks_straddle_steps(launches, rows, cols, dim, dtype, 
     for K pieces a row, `coop_max_programs`): rows straddle two steps and a program's piece changes from
     task to task (`next_task`). Right (all -inf rows included), and bit for bit the default grid's
     output."""
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import softmax as ks
 
     knobs = {"max_row_block": 16, "max_row_block_16": 16, "coop_max_pieces": 1 << 20, "coop_min_rows": 1,
              "coop_piece_fwd": 2048, "coop_warps_fwd": 2,
@@ -194,7 +194,7 @@ def test_gpu_cooperative_tasks_straddle_steps(launches, rows, cols, dim, dtype, 
 def test_gpu_aligned_forward_l2_ahead(launches, rows, cols, dtype, mode):
     """The aligned cooperative forward asks L2 for the row after the one it loads (sm_90 on): right
     (all -inf rows included)."""
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import softmax as ks
 
     x = make_x((rows, cols), -1, dtype, scale=3.0, seed=20, device="cuda")
     with ks.config_override(coop_min_rows=1, coop_max_pieces=1 << 20):
@@ -214,7 +214,7 @@ def test_gpu_aligned_forward_l2_ahead(launches, rows, cols, dtype, mode):
 def test_gpu_logsumexp_aligned_pieces(launches, rows, cols, dtype, piece, warps):
     """2-byte logsumexp of rows off the boundaries in the aligned forward (MODE 2), rows cut into
     several pieces whose words piece 0 merges while the others go on; all -inf rows included."""
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import softmax as ks
 
     knobs = {"max_row_block": 16, "max_row_block_16": 16, "coop_min_rows": 1, "coop_max_pieces": 1 << 20,
              "coop_piece_fwd_16": piece, "coop_warps_fwd_16": warps, "coop_min_pieces_fwd_16": 0, "coop_min_fill": 0.0}
@@ -237,7 +237,7 @@ def test_gpu_aligned_rows(launches, rows, cols, dtype, mode):
     """Short rows off 16-byte boundaries compiled, one per program in 16-byte vectors
     (`fwd_rows_aligned_kernel`): every width of block the launcher picks up to the row kernels'
     limits, all -inf rows included."""
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import softmax as ks
 
     x = make_x((rows, cols), -1, dtype, scale=3.0, seed=19, device="cuda")
     judge_against("fwd", kernel_forward(ks, mode, x, -1), x, -1, mode, dtype)
@@ -248,8 +248,8 @@ def test_gpu_aligned_rows(launches, rows, cols, dtype, mode):
 def test_gpu_occupancy_rules_match_driver():
     """The occupancy rules give the driver's count for the cooperative kernels as compiled (several
     warps and register caps), so the fallback, where the driver cannot be asked, sizes grids the same."""
-    from ringlse.kernels.occupancy import blocks_per_sm_by_driver, blocks_per_sm_by_rules
-    from ringlse.kernels.softmax.coop_kernels import fwd_coop_kernel
+    from ringlse.lse.kernels.occupancy import blocks_per_sm_by_driver, blocks_per_sm_by_rules
+    from ringlse.lse.kernels.softmax.coop_kernels import fwd_coop_kernel
 
     x = torch.zeros(64, 8192, device="cuda", dtype=torch.bfloat16)
     words = torch.full((64, 4), -1, dtype=torch.int64, device="cuda")
@@ -279,7 +279,7 @@ def test_gpu_cooperative_long_tier_for_rows_that_fit_once(launches):
     """Rows of a million float32 columns: the first plan's pieces fit fewer than two rows in flight (seen
     with the "_long" plan off), so the launcher takes the "_long" plan (4096-column pieces capped at 128
     registers: two rows in flight)."""
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import softmax as ks
 
     x = make_x((8, 1 << 20), -1, torch.float32, scale=3.0, seed=19, device="cuda")
     rows_in_flight = lambda ln: ln.grid[0] // -(-(1 << 20) // ln.consts["PIECE"])  # noqa: E731
@@ -300,7 +300,7 @@ def test_gpu_cooperative_long_tier_for_rows_that_fit_once(launches):
 def test_gpu_cooperative_longer_pieces_for_long_rows(launches, dtype):
     """A row of more than `coop_max_pieces` pieces takes longer pieces (here 1024 columns x 40 pieces
     -> 8192 x 5 on 8 warps), through the default launch path."""
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import softmax as ks
 
     knobs = {"max_row_block": 16, "max_row_block_16": 16, "max_row_block_bwd": 16, "coop_max_pieces": 8, "coop_min_rows": 1}
     for which, half in (("fwd", ""), ("fwd", "_16"), ("bwd", ""), ("bwd", "_16")):
@@ -325,8 +325,8 @@ def test_gpu_cooperative_kernels_on_two_streams_at_once():
     """Two cooperative grids that each fill the GPU, queued on two streams at once, both finish and
     match the results of one stream: they launch as cooperative grids, so the driver never leaves part
     of one grid waiting behind the other while its placed programs spin."""
-    from ringlse.kernels import softmax as ks
-    from ringlse.kernels.launch import recorded_launches
+    from ringlse.lse.kernels import softmax as ks
+    from ringlse.lse.kernels.launch import recorded_launches
 
     x1 = torch.randn(256, 65536, device="cuda")
     x2 = torch.randn(128, 131072, device="cuda", dtype=torch.bfloat16)
@@ -353,7 +353,7 @@ def test_gpu_cooperative_words_taken_by_turns():
     resetting what the one before left (`_coop_words`): calls of other shapes, the backward, a larger
     call that replaces the buffers, and graph capture (fresh words) in between give the same results
     as the first calls."""
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import softmax as ks
 
     xs = [make_x(shape, -1, dtype, scale=3.0, seed=20, device="cuda")
           for shape, dtype in (((256, 65536), torch.float32), ((300, 40000), torch.bfloat16),
@@ -388,7 +388,7 @@ def test_gpu_cooperative_words_taken_by_turns():
 def test_gpu_logsumexp_split_reuses_counters():
     """The split logsumexp's last piece merges and zeroes its row counter (kept between calls): repeated
     calls of growing and shrinking row counts, into NaN-poisoned outputs, each write every lse, right."""
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import softmax as ks
 
     for rows in (3, 3, 40, 3, 40):
         x = make_x((rows, 70001), -1, torch.float32, scale=3.0, seed=19 + rows, device="cuda")
@@ -403,7 +403,7 @@ def test_gpu_scratch_per_stream():
     kept per stream and thread): the split forward and logsumexp (per-piece partials, row counters) and
     the cooperative forward of equal shapes, alternated on two streams, give bit for bit the results of
     one stream."""
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import softmax as ks
 
     cases = [(lambda x: ks.softmax_forward(x), (8, 131072)), (lambda x: ks.logsumexp_forward(x), (8, 131072)),
              (lambda x: ks.softmax_forward(x, log=True), (256, 65536))]
@@ -428,7 +428,7 @@ def test_gpu_threads_sharing_a_stream():
     forward (a stats kernel, then a normalising kernel that reads its partials), the split logsumexp
     (row counters) and the cooperative forward (words taken by turns) still give each call its own
     result, bit for bit the single-threaded one."""
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import softmax as ks
 
     cases = [(lambda x: ks.softmax_forward(x), (8, 131072)), (lambda x: ks.logsumexp_forward(x), (8, 131072)),
              (lambda x: ks.softmax_forward(x, log=True), (256, 65536))]
@@ -481,8 +481,8 @@ def test_gpu_fast_launch_alignment_and_int_specialisation(monkeypatch, order, re
     16-byte-aligned pointers (or for R == 1) must never serve a misaligned input (or R == 3),
     whichever runs first; logsumexp's backward takes lse and g of any alignment in one plan.
     Forward, logsumexp and both backwards on the same shapes, against float64."""
-    from ringlse.kernels import launch as kl
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import launch as kl
+    from ringlse.lse.kernels import softmax as ks
 
     slow, real = [], kl.launch
     monkeypatch.setattr(kl, "launch", lambda kernel, *a, **k: slow.append(kernel.fn.__name__) or real(kernel, *a, **k))
@@ -520,8 +520,8 @@ def test_gpu_tritons_own_launch_path(monkeypatch):
     """With the fast paths off (`launch.FAST_PATH`: a Triton other than 3.6), every launch is Triton's own
     `kernel[grid](...)`, cooperative grids included: bit for bit the fast paths' results, for the row,
     aligned, split and cooperative kernels, forward and backward."""
-    from ringlse.kernels import launch as kl
-    from ringlse.kernels import softmax as ks
+    from ringlse.lse.kernels import launch as kl
+    from ringlse.lse.kernels import softmax as ks
 
     cases = [((64, 4097), torch.bfloat16), ((3, 131072), torch.float32), ((256, 65536), torch.float32),
              ((300, 40001), torch.bfloat16), ((100, 50257), torch.float16)]
@@ -565,7 +565,7 @@ def test_gpu_matches_torch_softmax():
 )
 @pytest.mark.parametrize("factored", [False, True], ids=["exact", "factored"])
 def test_gpu_log_bmm(dims, dtype, factored):
-    from ringlse.kernels import log_bmm as kl
+    from ringlse.lse.kernels import log_bmm as kl
 
     a, b = make_ab(*dims, dtype, seed=15, device="cuda")
     a.requires_grad_()

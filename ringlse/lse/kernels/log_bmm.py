@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ringlse.kernels.host import ActiveConfig, cdiv, next_power_of_2
+from ringlse.kernels.host import cdiv, next_power_of_2
+from ringlse.lse.kernels.active_config import ActiveConfig
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)

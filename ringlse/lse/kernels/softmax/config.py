@@ -1,5 +1,5 @@
-"""The softmax launchers' constants, measured on H200 (each the winner of a sweep recorded in
-benchmarks/results/lse_toolkit-*.json; docs/decisions.md), and the one way to change them: `config_override`.
+"""The softmax launchers' constants, the winners of `benchmarks/lse_toolkit.py`'s sweeps on H200 (its
+JSON records each variant timed), and the one way to change them: `config_override`.
 
 A call plan depends on the active config and keys on it: a change takes effect at the next call.
 """
@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ringlse.kernels.host import ActiveConfig
+from ringlse.lse.kernels.active_config import ActiveConfig
 
 
 @dataclass(frozen=True)
 class SoftmaxConfig:
-    """Dispatch constants of `ringlse.kernels.softmax`; `CONFIG` holds the measured values."""
+    """Dispatch constants of `ringlse.lse.kernels.softmax`; `CONFIG` holds the measured values."""
 
     # rows held whole in registers (`row_kernels.py`)
     max_row_block: int = 32768  # forward: rows up to this many columns stay in registers
