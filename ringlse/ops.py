@@ -25,18 +25,19 @@ from ringlse.specs import AttentionSpec, RingSpec, backend_from_name, group_from
 
 # plans of recent calls by shapes and options: a model's layers share one; enough for the calls
 # between a forward and its backward in any model we know
-_PLANS: OrderedDict[tuple, object] = OrderedDict()
+_PLANS: OrderedDict[str, object] = OrderedDict()
 _PLANS_KEPT = 64
 
 
-def _key(kind: str, tensors: tuple[Tensor, ...], args: tuple) -> tuple:
-    metas = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
-    values = tuple(tuple(a.tolist()) if isinstance(a, Tensor) else tuple(a) if isinstance(a, list) else a
-                   for a in args)
-    return (kind, metas, values)
+def _key(kind: str, tensors: tuple[Tensor, ...], args: tuple) -> str:
+    """A plan's key: a string, which the garbage collector does not track (a cache of tuples made the
+    process's tracked-object count drift with collection timing)."""
+    metas = [(tuple(t.shape), t.dtype, t.device) for t in tensors]
+    values = [a.tolist() if isinstance(a, Tensor) else a for a in args]
+    return repr((kind, metas, values))
 
 
-def _remember(key: tuple, plan):
+def _remember(key: str, plan):
     _PLANS[key] = plan
     _PLANS.move_to_end(key)
     while len(_PLANS) > _PLANS_KEPT:
