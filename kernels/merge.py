@@ -55,6 +55,7 @@ def _merge_states_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IN_PLACE: tl.constexpr,
+    BASE2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -90,18 +91,18 @@ def _merge_states_kernel(
     if N > 3:
         m = tl.maximum(m, l3)
     shift = merge_shift(m)
-    w0 = merge_weight(l0, shift, False)
+    w0 = merge_weight(l0, shift, BASE2)
     t = w0
     if N > 1:
-        w1 = merge_weight(l1, shift, False)
+        w1 = merge_weight(l1, shift, BASE2)
         t = t + w1
     if N > 2:
-        w2 = merge_weight(l2, shift, False)
+        w2 = merge_weight(l2, shift, BASE2)
         t = t + w2
     if N > 3:
-        w3 = merge_weight(l3, shift, False)
+        w3 = merge_weight(l3, shift, BASE2)
         t = t + w3
-    lse, t_safe = merge_lse(shift, t, False)
+    lse, t_safe = merge_lse(shift, t, BASE2)
 
     acc = merge_term(w0 / t_safe, o0)
     if N > 1:
@@ -114,6 +115,60 @@ def _merge_states_kernel(
     if IN_PLACE:
         # an output aliases an input: lse values are replicated across threads, so without this
         # barrier a fast warp could overwrite an lse that a slower warp has not loaded yet
+        tl.debug_barrier()
+    out_off = b * out_sb + s * out_ss + hh * out_sh
+    tl.store(OUT + out_off[:, None] + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(LSE_OUT + b * lo_sb + hh * lo_sh + s * lo_ss, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_stacked_kernel(
+    O, L, OUT, LSE_OUT,
+    n_heads, n_rows,
+    o_sn, o_sb, o_ss, o_sh,
+    l_sn, l_sb, l_sh, l_ss,
+    out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+    BASE2: tl.constexpr,
+):
+    """N states at one stride from each other (`o_sn`, `l_sn` elements): a stacked tensor's states,
+    whatever dim they are stacked along. Every lse of a tile of rows is loaded first as one
+    `[BLOCK_R, BLOCK_N]` tile (max, weights and their sum per row), then the outputs state after state
+    (unrolled, so their loads need not wait for each other), each scaled and added once."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    s = (rows // n_heads).to(tl.int64)
+    hh = (rows % n_heads).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    if BLOCK_D == D:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & (cols < D)[None, :]
+    ns = tl.arange(0, BLOCK_N)
+    l_off = b * l_sb + hh * l_sh + s * l_ss
+    lt = tl.load(
+        L + l_off[:, None] + ns.to(tl.int64)[None, :] * l_sn,
+        mask=row_ok[:, None] & (ns < N)[None, :], other=float("-inf"),
+    ).to(tl.float32)
+    shift = merge_shift(tl.max(lt, axis=1))
+    w = merge_weight(lt, shift[:, None], BASE2)
+    lse, t_safe = merge_lse(shift, tl.sum(w, axis=1), BASE2)
+    w = w / t_safe[:, None]
+    ptrs = O + (b * o_sb + s * o_ss + hh * o_sh)[:, None] + cols[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for i in tl.static_range(N):
+        wi = tl.sum(tl.where(ns[None, :] == i, w, 0.0), axis=1)
+        o = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        acc = acc + merge_term(wi, o)
+        ptrs += o_sn  # a pointer step per state: no int32 product of a large stride
+    if IN_PLACE:
         tl.debug_barrier()
     out_off = b * out_sb + s * out_ss + hh * out_sh
     tl.store(OUT + out_off[:, None] + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
@@ -146,8 +201,33 @@ def default_config(head_dim: int, n_states: int) -> tuple[int, int]:
     return block_rows, (8 if block_rows * block_d >= 4096 else 4)
 
 
+def stacked_config(head_dim: int, n_states: int) -> tuple[int, int]:
+    """`(block_rows, num_warps)` of the stacked kernel: about 2K elements per tile (the accumulator
+    and the state being added live at once; the unrolled loads of later states keep bytes in flight)."""
+    block_d = next_power_of_2(head_dim)
+    return max(1, 2048 // block_d), 4
+
+
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def state_stride(ts: Sequence[torch.Tensor]) -> int | None:
+    """The distance in elements between consecutive tensors of `ts` when they are equally spaced views of
+    one storage with the same shape, strides and dtype (the states of a stacked tensor, unbound along
+    any dim), else None."""
+    t0 = ts[0]
+    if len(ts) < 2:
+        return 0
+    size = t0.element_size()
+    step, rem = divmod(ts[1].data_ptr() - t0.data_ptr(), size)
+    if rem:
+        return None
+    for i, t in enumerate(ts):
+        if (t.dtype != t0.dtype or t.shape != t0.shape or t.stride() != t0.stride()
+                or not _shares_memory(t, t0) or t.data_ptr() - t0.data_ptr() != i * step * size):
+            return None
+    return step
 
 
 def _launch(
@@ -157,6 +237,7 @@ def _launch(
     lse: torch.Tensor,
     block_rows: int | None,
     num_warps: int | None,
+    base2: bool = False,
 ) -> None:
     n = len(outs)
     o4 = [_flat_out(x) for x in outs]
@@ -183,7 +264,42 @@ def _launch(
         out4.stride(0), out4.stride(1), out4.stride(2),
         lse4.stride(0), lse4.stride(1), lse4.stride(2),
         N=n, D=head_dim, BLOCK_R=block_rows, BLOCK_D=next_power_of_2(head_dim),
-        IN_PLACE=in_place, num_warps=num_warps,
+        IN_PLACE=in_place, BASE2=base2, num_warps=num_warps,
+    )
+
+
+def _launch_stacked(
+    outs: Sequence[torch.Tensor],
+    lses: Sequence[torch.Tensor],
+    o_sn: int,
+    l_sn: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_rows: int | None,
+    num_warps: int | None,
+    base2: bool,
+) -> None:
+    n = len(outs)
+    o0, l0 = _flat_out(outs[0]), _flat_lse(lses[0])
+    out4, lse4 = _flat_out(out), _flat_lse(lse)
+    batch, seqlen, nheads, head_dim = out4.shape
+    n_rows = seqlen * nheads
+    if batch == 0 or n_rows == 0 or head_dim == 0:
+        return
+    default_rows, default_warps = stacked_config(head_dim, n)
+    block_rows = default_rows if block_rows is None else block_rows
+    num_warps = default_warps if num_warps is None else num_warps
+    in_place = any(_shares_memory(dst, src) for dst in (out, lse) for src in (*outs, *lses))
+    grid = (cdiv(n_rows, block_rows), batch)
+    _merge_stacked_kernel[grid](
+        o0, l0, out4, lse4,
+        nheads, n_rows,
+        o_sn, o0.stride(0), o0.stride(1), o0.stride(2),
+        l_sn, l0.stride(0), l0.stride(1), l0.stride(2),
+        out4.stride(0), out4.stride(1), out4.stride(2),
+        lse4.stride(0), lse4.stride(1), lse4.stride(2),
+        N=n, BLOCK_N=next_power_of_2(n), D=head_dim, BLOCK_R=block_rows, BLOCK_D=next_power_of_2(head_dim),
+        IN_PLACE=in_place, BASE2=base2, num_warps=num_warps,
     )
 
 
@@ -229,6 +345,8 @@ def merge_states(
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
+    base2: bool = False,
+    stacked: bool | None = None,
     block_rows: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,16 +354,22 @@ def merge_states(
 
     Args:
         outs: N >= 1 tensors `[..., S, H, D]`, fp16/bf16/fp32, head dim contiguous (other strides free).
-        lses: N tensors `[..., H, S]` float32 (any strides).
+        lses: N tensors `[..., H, S]` float32 (any strides: a tokens-first `[..., S, H]` lse is passed
+            as its transpose).
         out: destination `[..., S, H, D]`, fp16/bf16/fp32; may be `outs[0]` itself (in-place update).
-        lse: destination `[..., H, S]` float32; may be `lses[0]` itself.
-        block_rows, num_warps: launch configuration (defaults from `default_config`).
+        lse: destination `[..., H, S]` float32 (any strides); may be `lses[0]` itself.
+        base2: every lse, given and written, is in base 2 (the math runs in base 2: exp2/log2).
+        stacked: which kernel: the four-slot one (False), the stacked one (True: needs the states
+            equally spaced in memory, `state_stride`), or None: four-slot up to four states, stacked
+            beyond when the states are equally spaced, else four-slot launches chained.
+        block_rows, num_warps: launch configuration (defaults from `default_config`/`stacked_config`).
 
     Returns:
         `(out, lse)`, the destinations, holding `lse = logsumexp_i lse_i` and
         `out = sum_i exp(lse_i - lse) * out_i` (`(0, -inf)` where every state is `-inf`).
 
-    More than four states take several launches through a float32 intermediate state.
+    More than four states that are not equally spaced take several launches through a float32
+    intermediate state.
     """
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError(f"merge_states: need as many lses as outs (>= 1), got {len(outs)} and {len(lses)}")
@@ -254,18 +378,25 @@ def merge_states(
         raise ValueError(f"merge_states: {reason}")
     outs, lses = list(outs), list(lses)
     k = MAX_STATES_PER_LAUNCH
+    if stacked is not False and (stacked or len(outs) > k):
+        o_sn, l_sn = state_stride([_flat_out(x) for x in outs]), state_stride([_flat_lse(x) for x in lses])
+        if o_sn is not None and l_sn is not None:
+            _launch_stacked(outs, lses, o_sn, l_sn, out, lse, block_rows, num_warps, base2)
+            return out, lse
+        if stacked:
+            raise ValueError("merge_states(stacked=True): the states are not equally spaced views of one tensor")
     if len(outs) <= k:
-        _launch(outs, lses, out, lse, block_rows, num_warps)
+        _launch(outs, lses, out, lse, block_rows, num_warps, base2)
         return out, lse
     # chain: merge the first four into a float32 state, then fold the rest in three at a time
     acc_out = torch.empty(out.shape, dtype=torch.float32, device=out.device)
     acc_lse = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
-    _launch(outs[:k], lses[:k], acc_out, acc_lse, block_rows, num_warps)
+    _launch(outs[:k], lses[:k], acc_out, acc_lse, block_rows, num_warps, base2)
     i = k
     while len(outs) - i > k - 1:
-        _launch([acc_out, *outs[i : i + k - 1]], [acc_lse, *lses[i : i + k - 1]], acc_out, acc_lse, block_rows, num_warps)
+        _launch([acc_out, *outs[i : i + k - 1]], [acc_lse, *lses[i : i + k - 1]], acc_out, acc_lse, block_rows, num_warps, base2)
         i += k - 1
-    _launch([acc_out, *outs[i:]], [acc_lse, *lses[i:]], out, lse, block_rows, num_warps)
+    _launch([acc_out, *outs[i:]], [acc_lse, *lses[i:]], out, lse, block_rows, num_warps, base2)
     return out, lse
 
 
@@ -275,6 +406,7 @@ def update_state_(
     block_out: torch.Tensor,
     block_lse: torch.Tensor,
     *,
+    base2: bool = False,
     block_rows: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,10 +414,13 @@ def update_state_(
 
     Args:
         out: running state `[..., S, H, D]` (float32 as a rule), updated in place.
-        lse: its lse `[..., H, S]` float32, updated in place.
+        lse: its lse `[..., H, S]` float32 (any strides), updated in place.
         block_out: `[..., S, H, D]` fp16/bf16/fp32; block_lse: `[..., H, S]` float32.
+        base2: both lses in base 2.
 
     Returns:
         `(out, lse)`.
     """
-    return merge_states([out, block_out], [lse, block_lse], out, lse, block_rows=block_rows, num_warps=num_warps)
+    return merge_states(
+        [out, block_out], [lse, block_lse], out, lse, base2=base2, stacked=False, block_rows=block_rows, num_warps=num_warps
+    )
