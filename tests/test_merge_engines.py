@@ -175,16 +175,16 @@ def stack(outs, lses, form, layout):
     return so, sl, (d - nd if form == "engine" else d)  # the engine form passes a negative dim
 
 
-def destinations(shape, layout, out_dtype, lse_dtype):
+def destinations(shape, layout, out_dtype, lse_dtype, device="cpu"):
     """NaN-filled `out`/`out_lse` that are strided views into larger buffers."""
     *lead, t, h, d = shape
-    big = torch.full((*lead, t + 3, h, d), float("nan"), dtype=out_dtype)
+    big = torch.full((*lead, t + 3, h, d), float("nan"), dtype=out_dtype, device=device)
     out = big[..., 1 : t + 1, :, :]
     if layout == "heads_first":
-        big_l = torch.full((*lead, h, t + 2), float("nan"), dtype=lse_dtype)
+        big_l = torch.full((*lead, h, t + 2), float("nan"), dtype=lse_dtype, device=device)
         out_lse = big_l[..., 2:]
     else:
-        big_l = torch.full((*lead, t, h + 1), float("nan"), dtype=lse_dtype)
+        big_l = torch.full((*lead, t, h + 1), float("nan"), dtype=lse_dtype, device=device)
         out_lse = big_l[..., :h]
     return out, out_lse
 
@@ -440,7 +440,7 @@ def test_reexports():
 
 
 @pytest.fixture
-def kernel_on_cpu(monkeypatch):
+def kernel_calls(monkeypatch):
     """Route CPU tensors to the fused kernel (under the interpreter) and count its calls."""
     km = pytest.importorskip("ringlse.kernels.merge")
     calls = []
@@ -459,7 +459,7 @@ KERNEL_SHAPE = (1, 97, 3, 80)
 @pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_kernel_layouts_bases_forms(dtype, layout, base, form, dest, kernel_on_cpu, device):
+def test_kernel_layouts_bases_forms(dtype, layout, base, form, dest, kernel_calls, device):
     n = 3
     outs, lses = draw_states(n, KERNEL_SHAPE, layout, dtype=dtype, seed=21)
     ref_out, ref_lse = oracle(outs, lses, layout, base)
@@ -468,12 +468,12 @@ def test_kernel_layouts_bases_forms(dtype, layout, base, form, dest, kernel_on_c
     o_in, l_in, dim = stack(outs, lses, form, layout)
     kw = dict(lse_layout=layout, lse_base=base, dim=dim)
     if dest == "out":
-        out, out_lse = (t.to(device) for t in destinations(KERNEL_SHAPE, layout, dtype, torch.float32))
+        out, out_lse = destinations(KERNEL_SHAPE, layout, dtype, torch.float32, device)
         got = merge_attn_states(o_in, l_in, out=out, out_lse=out_lse, **kw)
         assert got[0] is out and got[1] is out_lse
     else:
         got = merge_attn_states(o_in, l_in, **kw)
-    assert kernel_on_cpu, "the fused kernel did not run"
+    assert kernel_calls, "the fused kernel did not run"
     assert got[0].dtype == dtype and got[1].dtype == torch.float32
     assert_kernel_close(got[0].cpu(), got[1].cpu(), ref_out, ref_lse, [o.cpu() for o in outs], dtype)
     for t, c in zip((*outs, *lses), copies):
@@ -490,13 +490,13 @@ def test_kernel_layouts_bases_forms(dtype, layout, base, form, dest, kernel_on_c
         pytest.param("heads_first", "seq", 5, id="seq-n5-chained"),
     ],
 )
-def test_kernel_many_states(layout, form, n, base, kernel_on_cpu, device):
+def test_kernel_many_states(layout, form, n, base, kernel_calls, device):
     outs, lses = draw_states(n, KERNEL_SHAPE, layout, dtype=torch.float16, seed=22)
     ref_out, ref_lse = oracle(outs, lses, layout, base)
     outs, lses = [o.to(device) for o in outs], [x.to(device) for x in lses]
     o_in, l_in, dim = stack(outs, lses, form, layout)
     got = merge_attn_states(o_in, l_in, lse_layout=layout, lse_base=base, dim=dim)
-    assert kernel_on_cpu
+    assert kernel_calls
     assert_kernel_close(got[0].cpu(), got[1].cpu(), ref_out, ref_lse, [o.cpu() for o in outs], torch.float16)
 
 
@@ -509,7 +509,7 @@ def test_kernel_stacked_kernel_for_few_states(layout, base, device):
         outs, lses = draw_states(n, KERNEL_SHAPE, layout, dtype=torch.float32, seed=23 + n)
         ref_out, ref_lse = oracle(outs, lses, layout, base)
         so, sl = torch.stack(outs).to(device), torch.stack(lses).to(device)
-        out, out_lse = (t.to(device) for t in destinations(KERNEL_SHAPE, layout, torch.float32, torch.float32))
+        out, out_lse = destinations(KERNEL_SHAPE, layout, torch.float32, torch.float32, device)
         km.merge_states(list(so), [ms._heads_first(x, layout) for x in sl], out, ms._heads_first(out_lse, layout),
                         base2=base == 2.0, stacked=True)
         assert_kernel_close(out.cpu(), out_lse.cpu(), ref_out, ref_lse, outs, torch.float32)
@@ -517,26 +517,26 @@ def test_kernel_stacked_kernel_for_few_states(layout, base, device):
 
 @pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_kernel_every_state_empty(layout, base, kernel_on_cpu, device):
+def test_kernel_every_state_empty(layout, base, kernel_calls, device):
     for n, form in ((1, "seq"), (2, "seq"), (6, "stack0")):
         outs, lses = draw_states(n, (1, 9, 2, 16), layout, dtype=torch.float32, empty="all")
         o_in, l_in, dim = stack([o.to(device) for o in outs], [x.to(device) for x in lses], form, layout)
         out, lse = merge_attn_states(o_in, l_in, lse_layout=layout, lse_base=base, dim=dim)
         assert (out == 0).all() and torch.isneginf(lse).all()
-    assert len(kernel_on_cpu) == 3
+    assert len(kernel_calls) == 3
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["new", "inplace"])
 @pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_kernel_update_out_and_lse(layout, base, inplace, kernel_on_cpu, device):
+def test_kernel_update_out_and_lse(layout, base, inplace, kernel_calls, device):
     outs, lses = draw_states(2, KERNEL_SHAPE, layout, dtype=torch.float32, seed=24)
     outs[1] = outs[1].half()
     ref_out, ref_lse = oracle(outs, lses, layout, base)
     state = (outs[0].to(device), lses[0].to(device))
     got = update_out_and_lse(*state, outs[1].to(device), lses[1].to(device), inplace=inplace,
                              lse_layout=layout, lse_base=base)
-    assert kernel_on_cpu
+    assert kernel_calls
     assert (got[0] is state[0]) == inplace and (got[1] is state[1]) == inplace
     assert_kernel_close(got[0].cpu(), got[1].cpu(), ref_out, ref_lse, outs, torch.float32)
 
@@ -545,7 +545,7 @@ def test_kernel_update_out_and_lse(layout, base, inplace, kernel_on_cpu, device)
 # GPU: bf16 through the public API (the kernel serves CUDA tensors without autograd)
 
 
-GPU_SHAPE = (1, 1025, 32, 128)
+GPU_SHAPE = (1, 333, 32, 128)
 
 
 @pytest.mark.gpu
@@ -554,30 +554,30 @@ GPU_SHAPE = (1, 1025, 32, 128)
 @pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("n", [2, 16], ids=lambda n: f"n{n}")
-def test_gpu_bf16(n, layout, base, form, dest, kernel_on_cpu):
+def test_gpu_bf16(n, layout, base, form, dest, kernel_calls):
     outs, lses = draw_states(n, GPU_SHAPE, layout, dtype=torch.bfloat16, seed=31)
     ref_out, ref_lse = oracle(outs, lses, layout, base)
     outs, lses = [o.cuda() for o in outs], [x.cuda() for x in lses]
     o_in, l_in, dim = stack(outs, lses, form, layout)
     kw = dict(lse_layout=layout, lse_base=base, dim=dim)
     if dest == "out":
-        out, out_lse = (t.cuda() for t in destinations(GPU_SHAPE, layout, torch.bfloat16, torch.float32))
+        out, out_lse = destinations(GPU_SHAPE, layout, torch.bfloat16, torch.float32, "cuda")
         got = merge_attn_states(o_in, l_in, out=out, out_lse=out_lse, **kw)
         assert got[0] is out and got[1] is out_lse
     else:
         got = merge_attn_states(o_in, l_in, **kw)
-    assert kernel_on_cpu, "the fused kernel did not run"
+    assert kernel_calls, "the fused kernel did not run"
     assert_kernel_close(got[0].cpu(), got[1].cpu(), ref_out, ref_lse, [o.cpu() for o in outs], torch.bfloat16)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_gpu_update_in_place(layout, base, kernel_on_cpu):
+def test_gpu_update_in_place(layout, base, kernel_calls):
     outs, lses = draw_states(2, GPU_SHAPE, layout, dtype=torch.float32, seed=32)
     outs[1] = outs[1].bfloat16()
     ref_out, ref_lse = oracle(outs, lses, layout, base)
     state = (outs[0].cuda(), lses[0].cuda())
     got = update_out_and_lse(*state, outs[1].cuda(), lses[1].cuda(), inplace=True, lse_layout=layout, lse_base=base)
-    assert kernel_on_cpu and got[0] is state[0]
+    assert kernel_calls and got[0] is state[0]
     assert_kernel_close(got[0].cpu(), got[1].cpu(), ref_out, ref_lse, outs, torch.float32)
