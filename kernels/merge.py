@@ -6,9 +6,17 @@ a fifth of the device copy bandwidth; this kernel reads every input once and wri
 once, so it can approach the copy rate.
 
 Layout: a state is `out` `[B, S, H, D]` (any float dtype, last dim contiguous, other strides free, so
-`buf[:, half:]` views of a ring buffer work) with `lse` `[B, H, S]` float32 (any strides). Programs
-walk rows `r = s * H + h` of one batch entry, so that for the usual `[B, S, H, D]` layout a tile of
-rows is one contiguous stretch of memory.
+`buf[:, half:]` views of a ring buffer work) with `lse` `[B, H, S]` float32 (any strides: a tokens-first
+`[B, S, H]` lse comes as its transpose, so the engines' layouts cost no copy). Programs walk rows
+`r = s * H + h` of one batch entry, so that for the usual `[B, S, H, D]` layout a tile of rows is one
+contiguous stretch of memory.
+
+Two kernels. `_merge_states_kernel` takes up to four states through a slot each (any mix of dtypes and
+strides; more states chain launches through a float32 intermediate). `_merge_stacked_kernel` takes any
+number of states of one dtype and strides that lie at one distance from each other (a stacked tensor's
+states, whatever dim they are stacked along: FlashInfer's `[T, N, H, D]`, FA4's `[N, T, H, D]`), in one
+launch. `BASE2`: every lse in and out is in base 2, and the math runs in base 2 (exp2/log2): the same
+weights, with no conversion pass.
 
 Math per row: `ringlse.kernels.merge_math` (CONVENTIONS.md §3), max first: every state's lse is loaded
 before any math, so the max comes first, then one exp per state and the weights divided by their sum
