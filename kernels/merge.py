@@ -50,6 +50,24 @@ def _load_out(O, b, hh, s, sb, ss, sh, cols, mask):
 
 
 @triton.jit
+def _row_tile(n_heads, n_rows, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's tile of rows `r = s * H + h` of batch entry `b`: `(b, s, hh, cols, row_ok, mask)`."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    # int64 offsets: a [1, 128K, 32, 128] state already has 2^29 elements per tensor
+    s = (rows // n_heads).to(tl.int64)
+    hh = (rows % n_heads).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    if BLOCK_D == D:
+        mask = row_ok[:, None]  # uniform along d, so loads stay vectorised
+    else:
+        mask = row_ok[:, None] & (cols < D)[None, :]
+    return b, s, hh, cols, row_ok, mask
+
+
+@triton.jit
 def _merge_states_kernel(
     O0, O1, O2, O3,
     L0, L1, L2, L3,
@@ -65,18 +83,7 @@ def _merge_states_kernel(
     IN_PLACE: tl.constexpr,
     BASE2: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
-    # int64 offsets: a [1, 128K, 32, 128] state already has 2^29 elements per tensor
-    s = (rows // n_heads).to(tl.int64)
-    hh = (rows % n_heads).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    if BLOCK_D == D:
-        mask = row_ok[:, None]  # uniform along d, so loads stay vectorised
-    else:
-        mask = row_ok[:, None] & (cols < D)[None, :]
+    b, s, hh, cols, row_ok, mask = _row_tile(n_heads, n_rows, D, BLOCK_R, BLOCK_D)
 
     # issue every load before any math so that all of them are in flight together
     l0 = _load_lse(L0, b, hh, s, l0_sb, l0_sh, l0_ss, row_ok)
@@ -148,17 +155,7 @@ def _merge_stacked_kernel(
     whatever dim they are stacked along. Every lse of a tile of rows is loaded first as one
     `[BLOCK_R, BLOCK_N]` tile (max, weights and their sum per row), then the outputs state after state
     (unrolled, so their loads need not wait for each other), each scaled and added once."""
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
-    s = (rows // n_heads).to(tl.int64)
-    hh = (rows % n_heads).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    if BLOCK_D == D:
-        mask = row_ok[:, None]
-    else:
-        mask = row_ok[:, None] & (cols < D)[None, :]
+    b, s, hh, cols, row_ok, mask = _row_tile(n_heads, n_rows, D, BLOCK_R, BLOCK_D)
     ns = tl.arange(0, BLOCK_N)
     l_off = b * l_sb + hh * l_sh + s * l_ss
     lt = tl.load(
@@ -238,6 +235,30 @@ def state_stride(ts: Sequence[torch.Tensor]) -> int | None:
     return step
 
 
+class _Grid:
+    """What both launchers share: the destination as `[B, S, H, D]` / `[B, H, S]` views, the grid and
+    the launch configuration (None when there is nothing to do)."""
+
+    def __init__(self, out, lse, config, n, block_rows, num_warps, srcs):
+        self.out4, self.lse4 = _flat_out(out), _flat_lse(lse)
+        batch, seqlen, self.nheads, self.head_dim = self.out4.shape
+        self.n_rows = seqlen * self.nheads
+        self.empty = batch == 0 or self.n_rows == 0 or self.head_dim == 0
+        default_rows, default_warps = config(self.head_dim, n)
+        self.block_rows = default_rows if block_rows is None else block_rows
+        self.num_warps = default_warps if num_warps is None else num_warps
+        self.grid = (cdiv(self.n_rows, self.block_rows), batch)
+        self.in_place = any(_shares_memory(dst, src) for dst in (out, lse) for src in srcs)
+
+    def dst_args(self) -> list:
+        o, l = self.out4, self.lse4
+        return [o.stride(0), o.stride(1), o.stride(2), l.stride(0), l.stride(1), l.stride(2)]
+
+    def constants(self, n: int, base2: bool) -> dict:
+        return dict(N=n, D=self.head_dim, BLOCK_R=self.block_rows, BLOCK_D=next_power_of_2(self.head_dim),
+                    IN_PLACE=self.in_place, BASE2=base2, num_warps=self.num_warps)
+
+
 def _launch(
     outs: Sequence[torch.Tensor],
     lses: Sequence[torch.Tensor],
@@ -248,31 +269,19 @@ def _launch(
     base2: bool = False,
 ) -> None:
     n = len(outs)
+    g = _Grid(out, lse, default_config, n, block_rows, num_warps, (*outs, *lses))
+    if g.empty:
+        return
     o4 = [_flat_out(x) for x in outs]
     l4 = [_flat_lse(x) for x in lses]
-    out4, lse4 = _flat_out(out), _flat_lse(lse)
-    batch, seqlen, nheads, head_dim = out4.shape
-    n_rows = seqlen * nheads
-    if batch == 0 or n_rows == 0 or head_dim == 0:
-        return
-    default_rows, default_warps = default_config(head_dim, n)
-    block_rows = default_rows if block_rows is None else block_rows
-    num_warps = default_warps if num_warps is None else num_warps
     # unused slots repeat state 0; the kernel never touches them (N is a compile-time constant)
     o_args = o4 + [o4[0]] * (MAX_STATES_PER_LAUNCH - n)
     l_args = l4 + [l4[0]] * (MAX_STATES_PER_LAUNCH - n)
     o_strides = [st for x in o_args for st in (x.stride(0), x.stride(1), x.stride(2))]
     l_strides = [st for x in l_args for st in (x.stride(0), x.stride(1), x.stride(2))]
-    in_place = any(_shares_memory(dst, src) for dst in (out, lse) for src in (*outs, *lses))
-    grid = (cdiv(n_rows, block_rows), batch)
-    _merge_states_kernel[grid](
-        *o_args, *l_args, out4, lse4,
-        nheads, n_rows,
-        *o_strides, *l_strides,
-        out4.stride(0), out4.stride(1), out4.stride(2),
-        lse4.stride(0), lse4.stride(1), lse4.stride(2),
-        N=n, D=head_dim, BLOCK_R=block_rows, BLOCK_D=next_power_of_2(head_dim),
-        IN_PLACE=in_place, BASE2=base2, num_warps=num_warps,
+    _merge_states_kernel[g.grid](
+        *o_args, *l_args, g.out4, g.lse4, g.nheads, g.n_rows, *o_strides, *l_strides, *g.dst_args(),
+        **g.constants(n, base2),
     )
 
 
@@ -288,26 +297,15 @@ def _launch_stacked(
     base2: bool,
 ) -> None:
     n = len(outs)
-    o0, l0 = _flat_out(outs[0]), _flat_lse(lses[0])
-    out4, lse4 = _flat_out(out), _flat_lse(lse)
-    batch, seqlen, nheads, head_dim = out4.shape
-    n_rows = seqlen * nheads
-    if batch == 0 or n_rows == 0 or head_dim == 0:
+    g = _Grid(out, lse, stacked_config, n, block_rows, num_warps, (*outs, *lses))
+    if g.empty:
         return
-    default_rows, default_warps = stacked_config(head_dim, n)
-    block_rows = default_rows if block_rows is None else block_rows
-    num_warps = default_warps if num_warps is None else num_warps
-    in_place = any(_shares_memory(dst, src) for dst in (out, lse) for src in (*outs, *lses))
-    grid = (cdiv(n_rows, block_rows), batch)
-    _merge_stacked_kernel[grid](
-        o0, l0, out4, lse4,
-        nheads, n_rows,
+    o0, l0 = _flat_out(outs[0]), _flat_lse(lses[0])
+    _merge_stacked_kernel[g.grid](
+        o0, l0, g.out4, g.lse4, g.nheads, g.n_rows,
         o_sn, o0.stride(0), o0.stride(1), o0.stride(2),
         l_sn, l0.stride(0), l0.stride(1), l0.stride(2),
-        out4.stride(0), out4.stride(1), out4.stride(2),
-        lse4.stride(0), lse4.stride(1), lse4.stride(2),
-        N=n, BLOCK_N=next_power_of_2(n), D=head_dim, BLOCK_R=block_rows, BLOCK_D=next_power_of_2(head_dim),
-        IN_PLACE=in_place, BASE2=base2, num_warps=num_warps,
+        *g.dst_args(), BLOCK_N=next_power_of_2(n), **g.constants(n, base2),
     )
 
 
