@@ -286,8 +286,9 @@ def _launch(
 
 
 def _launch_stacked(
-    outs: Sequence[torch.Tensor],
-    lses: Sequence[torch.Tensor],
+    n: int,
+    out0: torch.Tensor,
+    lse0: torch.Tensor,
     o_sn: int,
     l_sn: int,
     out: torch.Tensor,
@@ -296,11 +297,11 @@ def _launch_stacked(
     num_warps: int | None,
     base2: bool,
 ) -> None:
-    n = len(outs)
-    g = _Grid(out, lse, stacked_config, n, block_rows, num_warps, (*outs, *lses))
+    """N states: `out0`/`lse0` (state 0) and each next one `o_sn`/`l_sn` elements further."""
+    g = _Grid(out, lse, stacked_config, n, block_rows, num_warps, (out0, lse0))
     if g.empty:
         return
-    o0, l0 = _flat_out(outs[0]), _flat_lse(lses[0])
+    o0, l0 = _flat_out(out0), _flat_lse(lse0)
     _merge_stacked_kernel[g.grid](
         o0, l0, g.out4, g.lse4, g.nheads, g.n_rows,
         o_sn, o0.stride(0), o0.stride(1), o0.stride(2),
@@ -355,6 +356,7 @@ def merge_states(
     stacked: bool | None = None,
     block_rows: int | None = None,
     num_warps: int | None = None,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge N attention states into `(out, lse)`, reading each input once and writing each output once.
 
@@ -369,6 +371,7 @@ def merge_states(
             equally spaced in memory, `state_stride`), or None: four-slot up to four states, stacked
             beyond when the states are equally spaced, else four-slot launches chained.
         block_rows, num_warps: launch configuration (defaults from `default_config`/`stacked_config`).
+        check: run `check_kernel_inputs` (callers that just did may skip it).
 
     Returns:
         `(out, lse)`, the destinations, holding `lse = logsumexp_i lse_i` and
@@ -379,7 +382,7 @@ def merge_states(
     """
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError(f"merge_states: need as many lses as outs (>= 1), got {len(outs)} and {len(lses)}")
-    reason = check_kernel_inputs(outs, lses, out, lse)
+    reason = check_kernel_inputs(outs, lses, out, lse) if check else None
     if reason is not None:
         raise ValueError(f"merge_states: {reason}")
     outs, lses = list(outs), list(lses)
@@ -387,7 +390,7 @@ def merge_states(
     if stacked is not False and (stacked or len(outs) > k):
         o_sn, l_sn = state_stride([_flat_out(x) for x in outs]), state_stride([_flat_lse(x) for x in lses])
         if o_sn is not None and l_sn is not None:
-            _launch_stacked(outs, lses, o_sn, l_sn, out, lse, block_rows, num_warps, base2)
+            _launch_stacked(len(outs), outs[0], lses[0], o_sn, l_sn, out, lse, block_rows, num_warps, base2)
             return out, lse
         if stacked:
             raise ValueError("merge_states(stacked=True): the states are not equally spaced views of one tensor")
@@ -403,6 +406,41 @@ def merge_states(
         _launch([acc_out, *outs[i : i + k - 1]], [acc_lse, *lses[i : i + k - 1]], acc_out, acc_lse, block_rows, num_warps, base2)
         i += k - 1
     _launch([acc_out, *outs[i:]], [acc_lse, *lses[i:]], out, lse, block_rows, num_warps, base2)
+    return out, lse
+
+
+def merge_stacked(
+    out0: torch.Tensor,
+    lse0: torch.Tensor,
+    n: int,
+    out_step: int,
+    lse_step: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    base2: bool = False,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_states` of N states given by the first one and the distance to the next (a stacked tensor's,
+    `out_step = stacked.stride(dim)`), checked once rather than per state (the host time of a call of a
+    few tokens matters: decoding).
+
+    Args:
+        out0: state 0's out `[..., S, H, D]`; lse0: its lse `[..., H, S]` (any strides).
+        n: how many states; out_step, lse_step: elements from one state's out/lse to the next's.
+        out, lse, base2, block_rows, num_warps: as in `merge_states`.
+    """
+    reason = check_kernel_inputs([out0], [lse0], out, lse)
+    if reason is not None:
+        raise ValueError(f"merge_stacked: {reason}")
+    o0, l0 = _flat_out(out0), _flat_lse(lse0)
+    if n <= MAX_STATES_PER_LAUNCH:
+        outs = [o0.as_strided(o0.shape, o0.stride(), o0.storage_offset() + i * out_step) for i in range(n)]
+        lses = [l0.as_strided(l0.shape, l0.stride(), l0.storage_offset() + i * lse_step) for i in range(n)]
+        _launch(outs, lses, out, lse, block_rows, num_warps, base2)
+    else:
+        _launch_stacked(n, o0, l0, out_step, lse_step, out, lse, block_rows, num_warps, base2)
     return out, lse
 
 

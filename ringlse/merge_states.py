@@ -76,33 +76,31 @@ def _check_state(out: torch.Tensor, lse: torch.Tensor, what: str, lse_layout: st
         )
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int, int]:
-    """`(storage address, first byte, one past the last byte)` that `t` can touch."""
-    size = t.element_size()
-    start = t.storage_offset() * size
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else -1
-    return t.untyped_storage().data_ptr(), start, start + (last + 1) * size
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes `[first, one past the last)` that `t` can touch (addresses: tensors of different
+    allocations never overlap; an empty tensor touches none)."""
+    if t.numel() == 0:
+        return 0, 0
+    start = t.data_ptr()
+    return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    (pa, a0, a1), (pb, b0, b1) = _extent(a), _extent(b)
-    return pa == pb and a0 < b1 and b0 < a1
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
 
 
-def _unstack(what: str, outs, lses, dim, lse_layout: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Sequences of per-state views from `outs`/`lses` given as sequences or stacked along `dim`."""
+def _stacked_dim(what: str, outs, lses, dim, lse_layout: str) -> int | None:
+    """The (non-negative) dim `outs` and `lses` are stacked along, or None for sequences of states
+    (checked: as many lses as outs, >= 1)."""
     stacked_o, stacked_l = isinstance(outs, torch.Tensor), isinstance(lses, torch.Tensor)
     if stacked_o != stacked_l:
         raise ValueError(f"{what}: outs and lses must both be tensors (stacked along dim) or both sequences")
     if not stacked_o:
         if dim is not None:
             raise ValueError(f"{what}: dim={dim!r} is for stacked tensors; outs and lses are sequences")
-        outs, lses = list(outs), list(lses)
         if len(outs) == 0 or len(outs) != len(lses):
             raise ValueError(f"{what}: need as many lses as outs (>= 1), got {len(outs)} and {len(lses)}")
-        return outs, lses
+        return None
     if dim is None or isinstance(dim, bool) or not isinstance(dim, int):
         raise ValueError(f"{what}: stacked outs and lses need dim (the int dim the states are stacked along), got {dim!r}")
     nd = outs.dim()
@@ -124,7 +122,7 @@ def _unstack(what: str, outs, lses, dim, lse_layout: str) -> tuple[list[torch.Te
         raise ValueError(
             f"{what}: outs {tuple(outs.shape)} and lses {tuple(lses.shape)} must hold the same number (>= 1) of states along dim={dim}"
         )
-    return list(outs.unbind(d)), list(lses.unbind(d))
+    return d
 
 
 def _check_destinations(what, out, out_lse, shape, lse_shape, device, acc, inputs) -> None:
@@ -146,10 +144,11 @@ def _check_destinations(what, out, out_lse, shape, lse_shape, device, acc, input
             raise ValueError(f"{what}: out_lse must be {acc} (the merged lse's dtype), got {out_lse.dtype}")
         if out_lse.device != device:
             raise ValueError(f"{what}: out_lse is on {out_lse.device}, the inputs on {device}")
-    if out is not None and out_lse is not None and _overlaps(out, out_lse):
+    if out is not None and out_lse is not None and _overlaps(_span(out), _span(out_lse)):
         raise ValueError(f"{what}: out and out_lse overlap in memory")
+    spans = [_span(t) for t in inputs]
     for name, dst in (("out", out), ("out_lse", out_lse)):
-        if dst is not None and any(_overlaps(dst, t) for t in inputs):
+        if dst is not None and any(_overlaps(_span(dst), x) for x in spans):
             raise ValueError(f"{what}: {name} shares memory with an input (outs/lses are never written)")
 
 
@@ -273,33 +272,50 @@ def merge_attn_states(
     """
     what = "merge_attn_states"
     base2 = _check_options(what, lse_layout, lse_base)
-    outs, lses = _unstack(what, outs, lses, dim, lse_layout)
-    for i, (o, l) in enumerate(zip(outs, lses)):
-        _check_state(o, l, f"{what} (state {i})", lse_layout)
-        if o.shape != outs[0].shape:
-            raise ValueError(f"{what}: state {i} has shape {tuple(o.shape)}, state 0 {tuple(outs[0].shape)}")
-        if o.device != outs[0].device or l.device != outs[0].device:
-            raise ValueError(f"{what}: state {i} is on {o.device}/{l.device}, state 0 on {outs[0].device}")
-    shape = tuple(outs[0].shape)
-    acc = lse_dtype(outs[0].dtype)
-    inputs = [*outs, *lses]
-    _check_destinations(what, out, out_lse, shape, _lse_shape(shape, lse_layout), outs[0].device, acc, inputs)
+    d = _stacked_dim(what, outs, lses, dim, lse_layout)
+    if d is None:  # a sequence of states: each checked
+        outs, lses = list(outs), list(lses)
+        for i, (o, l) in enumerate(zip(outs, lses)):
+            _check_state(o, l, f"{what} (state {i})", lse_layout)
+            if o.shape != outs[0].shape:
+                raise ValueError(f"{what}: state {i} has shape {tuple(o.shape)}, state 0 {tuple(outs[0].shape)}")
+            if o.device != outs[0].device or l.device != outs[0].device:
+                raise ValueError(f"{what}: state {i} is on {o.device}/{l.device}, state 0 on {outs[0].device}")
+        out0, lse0, inputs = outs[0], lses[0], [*outs, *lses]
+    else:  # stacked: state 0 checked stands for all (a decode step's host time matters)
+        out0, lse0, inputs = outs.select(d, 0), lses.select(d, 0), [outs, lses]
+        _check_state(out0, lse0, f"{what} (stacked along dim={dim})", lse_layout)
+        if lses.device != outs.device:
+            raise ValueError(f"{what}: lses are on {lses.device}, outs on {outs.device}")
+    shape = tuple(out0.shape)
+    acc = lse_dtype(out0.dtype)
+    if out is not None or out_lse is not None:
+        _check_destinations(what, out, out_lse, shape, _lse_shape(shape, lse_layout), out0.device, acc, inputs)
     recording = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     if recording and (out is not None or out_lse is not None):
         raise ValueError(
             f"{what}: out=/out_lse= are for inference and do not record autograd; call it under "
             "torch.no_grad() or leave out=/out_lse= unset"
         )
-    lses_hf = [_heads_first(x, lse_layout) for x in lses]
-    out_dtype = outs[0].dtype if out is None else out.dtype
-    if _kernel_device(inputs) and acc == torch.float32 and not recording:
-        dst = out if out is not None else torch.empty(shape, dtype=out_dtype, device=outs[0].device)
+    out_dtype = out0.dtype if out is None else out.dtype
+    kernel = kernel_module("merge") if _kernel_device(inputs) and acc == torch.float32 and not recording else None
+    if kernel is not None:
+        dst = out if out is not None else torch.empty(shape, dtype=out_dtype, device=out0.device)
         dst_lse = out_lse if out_lse is not None else torch.empty(_lse_shape(shape, lse_layout), dtype=acc, device=dst.device)
         dst_lse_hf = _heads_first(dst_lse, lse_layout)
-        kernel = _kernel_for(inputs, outs, lses_hf, dst, dst_lse_hf)
-        if kernel is not None:
-            kernel.merge_states(outs, lses_hf, dst, dst_lse_hf, base2=base2)
-            return dst, dst_lse
+        if d is not None:
+            lse0_hf = _heads_first(lse0, lse_layout)
+            if kernel.check_kernel_inputs([out0], [lse0_hf], dst, dst_lse_hf) is None:
+                kernel.merge_stacked(out0, lse0_hf, outs.shape[d], outs.stride(d), lses.stride(d), dst, dst_lse_hf, base2=base2)
+                return dst, dst_lse
+        else:
+            lses_hf = [_heads_first(x, lse_layout) for x in lses]
+            if kernel.check_kernel_inputs(outs, lses_hf, dst, dst_lse_hf) is None:
+                kernel.merge_states(outs, lses_hf, dst, dst_lse_hf, base2=base2, check=False)
+                return dst, dst_lse
+    if d is not None:
+        outs, lses = list(outs.unbind(d)), list(lses.unbind(d))
+    lses_hf = [_heads_first(x, lse_layout) for x in lses]
     res_out, res_lse_hf = _merge_torch(outs, lses_hf, base2)
     res_lse = _heads_first(res_lse_hf, lse_layout)  # the transpose is its own inverse
     if out is not None or out_lse is not None:

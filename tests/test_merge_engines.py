@@ -444,10 +444,11 @@ def kernel_calls(monkeypatch):
     """Route CPU tensors to the fused kernel (under the interpreter) and count its calls."""
     km = pytest.importorskip("ringlse.kernels.merge")
     calls = []
-    real = km.merge_states
     if not torch.cuda.is_available():
         monkeypatch.setattr(ms, "_kernel_device", lambda tensors: all(t.device.type == "cpu" for t in tensors))
-    monkeypatch.setattr(km, "merge_states", lambda *a, **k: calls.append(k.get("stacked")) or real(*a, **k))
+    for name in ("merge_states", "merge_stacked"):
+        real = getattr(km, name)
+        monkeypatch.setattr(km, name, (lambda real, name: lambda *a, **k: calls.append(name) or real(*a, **k))(real, name))
     return calls
 
 
