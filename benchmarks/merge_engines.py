@@ -310,8 +310,38 @@ def main(argv=None) -> None:
     fi, fi_note = _flashinfer()
     print(f"{gpu}  torch {torch.__version__}  triton {triton.__version__}  ringlse {ringlse.__file__}  {fi_note}", flush=True)
     torch.manual_seed(0)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"merge_engines-{gpu.replace(' ', '_')}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    result = dict(
+        gpu=gpu, torch=torch.__version__, triton=triton.__version__, flashinfer=fi_note,
+        command=" ".join([sys.executable, *sys.argv]), date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        method="timing.interleaved_ms: launches interleaved fused / copy / formula (/ flashinfer), L2 flushed "
+               f"before each, CUDA events, medians, budget {args.budget_s} s per row, eager and again each side "
+               "replayed from a CUDA graph (GPU time, *_graph keys); bf16 outs, float32 lse",
+        bytes_counted="N outs + N lses read once, out + lse written once; copy: dst.copy_(src) of half those "
+                      "bytes (so the same bytes are read + written)",
+        rows=[], kernel_rows=[], failures=[], complete=False,
+    )
+    rows, failures = result["rows"], result["failures"]
+
+    def save():  # after every T, so that a run cut short keeps what it measured
+        def ratio(r):
+            return r.get("fused_vs_copy_graph", r["fused_vs_copy"])
+
+        ok = [r for r in rows if r["T"] >= 1024]
+        if ok:
+            worst = min(ok, key=ratio)
+            result["headline"] = dict(
+                ratio="fused / copy bandwidth, GPU time (CUDA-graph replay) where captured, else eager",
+                min_fused_vs_copy_T_ge_1K=ratio(worst), at=dict(case=worst["case"], T=worst["T"], N=worst["N"]),
+                below_0_9=[dict(case=r["case"], T=r["T"], N=r["N"], fused_vs_copy=round(ratio(r), 3),
+                                eager=round(r["fused_vs_copy"], 3)) for r in rows if ratio(r) < 0.9],
+            )
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
     ts = [t for t in TS if not args.quick or t <= 8192]
-    rows, failures = [], []
     t0 = time.time()
     for t in ts:
         for case in CASES:
@@ -319,48 +349,27 @@ def main(argv=None) -> None:
                 try:
                     r = run_row(case, t, n, fi, args.budget_s)
                     rows.append(r)
-                    print(f"{case:<20} T={t:<6} N={n:<3} fused {r['fused_ms']:.4f} ms {r['fused_gbs']:7.0f} GB/s "
-                          f"x copy {r['fused_vs_copy']:.3f} (graph {r.get('fused_vs_copy_graph', float('nan')):.3f})  torch x copy {r.get('torch_formula_vs_copy', float('nan')):.3f}"
-                          f"  flashinfer x copy {r.get('flashinfer_vs_copy', float('nan')):.3f}  err {r['max_rel_err_vs_formula']:.1e}"
-                          f"  [{time.time() - t0:.0f}s]", flush=True)
+                    print(f"{case:<20} T={t:<6} N={n:<3} fused {r['fused_ms']:.4f} ms {r['fused_gbs']:5.0f} GB/s "
+                          f"x copy {r['fused_vs_copy']:.3f} (graph {r.get('fused_vs_copy_graph', float('nan')):.3f}) "
+                          f"formula x copy {r.get('torch_formula_vs_copy_graph', float('nan')):.3f} "
+                          f"flashinfer x copy {r.get('flashinfer_vs_copy_graph', float('nan')):.3f} "
+                          f"err {r['max_rel_err_vs_formula']:.1e} [{time.time() - t0:.0f}s]", flush=True)
                 except Exception as err:  # noqa: BLE001 (record, keep going)
                     traceback.print_exc()
                     failures.append(dict(case=case, T=t, N=n, error=f"{type(err).__name__}: {err}"[:500]))
                 torch.cuda.empty_cache()
+        save()
     try:
-        krows = kernel_rows(args.budget_s, args.quick)
-        for r in krows:
-            print(r, flush=True)
+        result["kernel_rows"] = kernel_rows(args.budget_s, args.quick)
+        for r in result["kernel_rows"]:
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if not k.endswith("_ms")}, flush=True)
     except Exception as err:  # noqa: BLE001
         traceback.print_exc()
-        krows = [dict(error=f"{type(err).__name__}: {err}"[:500])]
-    result = dict(
-        gpu=gpu, torch=torch.__version__, triton=triton.__version__, flashinfer=fi_note,
-        command=" ".join([sys.executable, *sys.argv]), date=time.strftime("%Y-%m-%d %H:%M:%S"),
-        method="timing.interleaved_ms: launches interleaved fused / copy / formula (/ flashinfer), L2 flushed "
-               f"before each, CUDA events, medians, budget {args.budget_s} s per row; bf16 outs, float32 lse",
-        bytes_counted="N outs + N lses read once, out + lse written once; copy: dst.copy_(src) of half those "
-                      "bytes (so the same bytes are read + written)",
-        rows=rows, kernel_rows=krows, failures=failures,
-    )
-    def ratio(r):
-        return r.get("fused_vs_copy_graph", r["fused_vs_copy"])
-
-    ok = [r for r in rows if r["T"] >= 1024]
-    if ok:
-        worst = min(ok, key=ratio)
-        result["headline"] = dict(
-            ratio="fused / copy bandwidth, GPU time (CUDA-graph replay) where captured, else eager",
-            min_fused_vs_copy_T_ge_1K=ratio(worst), at=dict(case=worst["case"], T=worst["T"], N=worst["N"]),
-            below_0_9=[dict(case=r["case"], T=r["T"], N=r["N"], fused_vs_copy=round(ratio(r), 3),
-                            eager=round(r["fused_vs_copy"], 3)) for r in rows if ratio(r) < 0.9],
-        )
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"merge_engines-{gpu.replace(' ', '_')}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+        result["kernel_rows"] = [dict(error=f"{type(err).__name__}: {err}"[:500])]
+    result["complete"] = True
+    save()
     print("wrote", out, flush=True)
+    print("headline:", json.dumps(result.get("headline")), flush=True)
     if failures:
         print("FAILURES:", failures, flush=True)
     if args.plot:
