@@ -25,6 +25,7 @@ before they touch the outputs. Subtracting the max keeps lse values of +-1e4 fin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -235,6 +236,11 @@ def state_stride(ts: Sequence[torch.Tensor]) -> int | None:
     return step
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 class _Grid:
     """What both launchers share: the destination as `[B, S, H, D]` / `[B, H, S]` views, the grid and
     the launch configuration (None when there is nothing to do)."""
@@ -245,6 +251,14 @@ class _Grid:
         self.n_rows = seqlen * self.nheads
         self.empty = batch == 0 or self.n_rows == 0 or self.head_dim == 0
         default_rows, default_warps = config(self.head_dim, n)
+        if block_rows is None and out.is_cuda and not self.empty:
+            # few rows (decoding: a handful of tokens): smaller tiles, so that more SMs each keep loads
+            # in flight, down to a row per program
+            ctas = 2 * _sm_count(out.device)
+            while default_rows > 1 and cdiv(self.n_rows, default_rows) * batch < ctas:
+                default_rows //= 2
+            tile = default_rows * next_power_of_2(self.head_dim)
+            default_warps = max(1, min(default_warps, tile // 256))
         self.block_rows = default_rows if block_rows is None else block_rows
         self.num_warps = default_warps if num_warps is None else num_warps
         self.grid = (cdiv(self.n_rows, self.block_rows), batch)

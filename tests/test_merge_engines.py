@@ -582,3 +582,19 @@ def test_gpu_update_in_place(layout, base, kernel_calls):
     got = update_out_and_lse(*state, outs[1].cuda(), lses[1].cuda(), inplace=True, lse_layout=layout, lse_base=base)
     assert kernel_calls and got[0] is state[0]
     assert_kernel_close(got[0].cpu(), got[1].cpu(), ref_out, ref_lse, outs, torch.float32)
+
+
+@pytest.mark.parametrize("base", BASES)
+@pytest.mark.parametrize(("n", "stacked"), [(2, False), (3, True), (16, True)], ids=["slots-n2", "stacked-n3", "stacked-n16"])
+@pytest.mark.parametrize(("block_rows", "num_warps"), [(1, 1), (2, 1), (4, 2)], ids=["rows1", "rows2", "rows4"])
+def test_kernel_small_tiles(block_rows, num_warps, n, stacked, base, device):
+    """The small tiles the launcher picks for a few rows (decoding) on a GPU: one to four rows a program."""
+    km = pytest.importorskip("ringlse.kernels.merge")
+    shape = (1, 3, 5, 80)
+    outs, lses = draw_states(n, shape, "tokens_first", dtype=torch.float16, seed=25)
+    ref_out, ref_lse = oracle(outs, lses, "tokens_first", base)
+    so, sl = torch.stack(outs, 2).to(device), torch.stack(lses, 2).to(device)  # FlashInfer's [.., T, N, H, D]
+    out, out_lse = destinations(shape, "tokens_first", torch.float16, torch.float32, device)
+    km.merge_states(list(so.unbind(2)), [x.mT for x in sl.unbind(2)], out, out_lse.mT, base2=base == 2.0,
+                    stacked=stacked, block_rows=block_rows, num_warps=num_warps)
+    assert_kernel_close(out.cpu(), out_lse.cpu(), ref_out, ref_lse, outs, torch.float16)
