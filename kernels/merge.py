@@ -11,11 +11,11 @@ Layout: a state is `out` `[B, S, H, D]` (any float dtype, last dim contiguous, o
 `r = s * H + h` of one batch entry, so that for the usual `[B, S, H, D]` layout a tile of rows is one
 contiguous stretch of memory.
 
-Two kernels. `_merge_states_kernel` takes up to four states through a slot each (any mix of dtypes and
-strides; more states chain launches through a float32 intermediate). `_merge_stacked_kernel` takes any
-number of states of one dtype and strides that lie at one distance from each other (a stacked tensor's
-states, whatever dim they are stacked along: FlashInfer's `[T, N, H, D]`, FA4's `[N, T, H, D]`), in one
-launch. `BASE2`: every lse in and out is in base 2, and the math runs in base 2 (exp2/log2): the same
+Three kernels, each one launch. `_merge_states_kernel` takes up to four states through a slot each
+(any mix of dtypes and strides). `_merge_stacked_kernel` takes any number of states of one dtype and
+strides that lie at one distance from each other (a stacked tensor's states, whatever dim they are
+stacked along: FlashInfer's `[T, N, H, D]`, FA4's `[N, T, H, D]`). `_merge_tuple_kernel` takes up to 16
+states anywhere (tuples of pointers and strides); more chain launches through a float32 intermediate. `BASE2`: every lse in and out is in base 2, and the math runs in base 2 (exp2/log2): the same
 weights, with no conversion pass.
 
 Math per row: `ringlse.kernels.merge_math` (CONVENTIONS.md §3), max first: every state's lse is loaded
@@ -33,10 +33,13 @@ import triton
 import triton.language as tl
 
 from ringlse.kernels.host import cdiv, next_power_of_2
-from ringlse.kernels.merge_math import merge_lse, merge_shift, merge_term, merge_weight
+from ringlse.kernels.merge_math import merge_finish, merge_fold, merge_lse, merge_shift, merge_term, merge_weight
 
-# states merged by one launch; merge_states chains launches for more
+# states the four-slot kernel merges in one launch
 MAX_STATES_PER_LAUNCH = 4
+# states of a sequence (not equally spaced) the tuple kernel merges in one launch; merge_states chains
+# launches for more
+MAX_TUPLE_STATES = 16  # 32 spill registers on sm_90 (ptxas -v)
 
 
 @triton.jit
@@ -174,6 +177,38 @@ def _merge_stacked_kernel(
         o = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         acc = acc + merge_term(wi, o)
         ptrs += o_sn  # a pointer step per state: no int32 product of a large stride
+    if IN_PLACE:
+        tl.debug_barrier()
+    out_off = b * out_sb + s * out_ss + hh * out_sh
+    tl.store(OUT + out_off[:, None] + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(LSE_OUT + b * lo_sb + hh * lo_sh + s * lo_ss, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_tuple_kernel(
+    OS, LS, OUT, LSE_OUT,
+    n_heads, n_rows,
+    O_SB, O_SS, O_SH, L_SB, L_SH, L_SS,
+    out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss,
+    N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+    BASE2: tl.constexpr,
+):
+    """N states anywhere (tuples of tensors `OS`, `LS` and of their strides): the states of a sequence
+    of separately allocated tensors, more than the four-slot kernel takes. Merged online, state after
+    state (`merge_fold`: each lse and output read once, two exps per state)."""
+    b, s, hh, cols, row_ok, mask = _row_tile(n_heads, n_rows, D, BLOCK_R, BLOCK_D)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    t = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for i in tl.static_range(N):
+        l_i = _load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok)
+        o_i = _load_out(OS[i], b, hh, s, O_SB[i], O_SS[i], O_SH[i], cols, mask)
+        m, t, acc = merge_fold(m, t, acc, l_i, o_i, BASE2)
+    lse, acc = merge_finish(m, t, acc, BASE2)
     if IN_PLACE:
         tl.debug_barrier()
     out_off = b * out_sb + s * out_ss + hh * out_sh
@@ -324,6 +359,29 @@ def _launch_stacked(
     )
 
 
+def _launch_tuple(
+    outs: Sequence[torch.Tensor],
+    lses: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_rows: int | None,
+    num_warps: int | None,
+    base2: bool,
+) -> None:
+    n = len(outs)
+    g = _Grid(out, lse, stacked_config, n, block_rows, num_warps, (*outs, *lses))
+    if g.empty:
+        return
+    o4 = tuple(_flat_out(x) for x in outs)
+    l4 = tuple(_flat_lse(x) for x in lses)
+    _merge_tuple_kernel[g.grid](
+        o4, l4, g.out4, g.lse4, g.nheads, g.n_rows,
+        *(tuple(x.stride(k) for x in o4) for k in range(3)),
+        *(tuple(x.stride(k) for x in l4) for k in range(3)),
+        *g.dst_args(), **g.constants(n, base2),
+    )
+
+
 def check_kernel_inputs(
     outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], out: torch.Tensor, lse: torch.Tensor
 ) -> str | None:
@@ -381,9 +439,10 @@ def merge_states(
         out: destination `[..., S, H, D]`, fp16/bf16/fp32; may be `outs[0]` itself (in-place update).
         lse: destination `[..., H, S]` float32 (any strides); may be `lses[0]` itself.
         base2: every lse, given and written, is in base 2 (the math runs in base 2: exp2/log2).
-        stacked: which kernel: the four-slot one (False), the stacked one (True: needs the states
-            equally spaced in memory, `state_stride`), or None: four-slot up to four states, stacked
-            beyond when the states are equally spaced, else four-slot launches chained.
+        stacked: which kernel: the four-slot one (False: beyond four states, the tuple kernel), the
+            stacked one (True: needs the states equally spaced in memory, `state_stride`), or None:
+            four-slot up to four states, beyond that stacked when the states are equally spaced, else
+            the tuple kernel (up to `MAX_TUPLE_STATES`; more chain launches).
         block_rows, num_warps: launch configuration (defaults from `default_config`/`stacked_config`).
         check: run `check_kernel_inputs` (callers that just did may skip it).
 
@@ -391,8 +450,8 @@ def merge_states(
         `(out, lse)`, the destinations, holding `lse = logsumexp_i lse_i` and
         `out = sum_i exp(lse_i - lse) * out_i` (`(0, -inf)` where every state is `-inf`).
 
-    More than four states that are not equally spaced take several launches through a float32
-    intermediate state.
+    More than `MAX_TUPLE_STATES` states that are not equally spaced take several launches through a
+    float32 intermediate state.
     """
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError(f"merge_states: need as many lses as outs (>= 1), got {len(outs)} and {len(lses)}")
@@ -410,6 +469,9 @@ def merge_states(
             raise ValueError("merge_states(stacked=True): the states are not equally spaced views of one tensor")
     if len(outs) <= k:
         _launch(outs, lses, out, lse, block_rows, num_warps, base2)
+        return out, lse
+    if len(outs) <= MAX_TUPLE_STATES:
+        _launch_tuple(outs, lses, out, lse, block_rows, num_warps, base2)
         return out, lse
     # chain: merge the first four into a float32 state, then fold the rest in three at a time
     acc_out = torch.empty(out.shape, dtype=torch.float32, device=out.device)

@@ -267,8 +267,8 @@ def merge_attn_states(
         except with `out=`/`out_lse=`, which are for inference and raise `ValueError` while autograd
         records. On CUDA without autograd the fused kernel runs: one read of each input, one write of
         each output, and no allocation beyond the outputs (none with `out` and `out_lse` given; a
-        sequence of more than four separately allocated states is merged in launches of four through
-        one float32 intermediate state: stack them to get one pass).
+        sequence of more than 16 separately allocated states is merged in several launches through one
+        float32 intermediate state: stack them to get one pass).
     """
     what = "merge_attn_states"
     base2 = _check_options(what, lse_layout, lse_base)

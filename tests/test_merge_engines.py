@@ -488,7 +488,8 @@ def test_kernel_layouts_bases_forms(dtype, layout, base, form, dest, kernel_call
         pytest.param("tokens_first", "engine", 16, id="flashinfer-n16"),
         pytest.param("tokens_first", "stack0", 5, id="fa4-n5"),
         pytest.param("heads_first", "engine", 16, id="heads-first-n16"),
-        pytest.param("heads_first", "seq", 5, id="seq-n5-chained"),
+        pytest.param("heads_first", "seq", 5, id="seq-n5-tuple"),
+        pytest.param("tokens_first", "seq", 16, id="seq-n16-tuple"),
     ],
 )
 def test_kernel_many_states(layout, form, n, base, kernel_calls, device):
@@ -598,3 +599,15 @@ def test_kernel_small_tiles(block_rows, num_warps, n, stacked, base, device):
     km.merge_states(list(so.unbind(2)), [x.mT for x in sl.unbind(2)], out, out_lse.mT, base2=base == 2.0,
                     stacked=stacked, block_rows=block_rows, num_warps=num_warps)
     assert_kernel_close(out.cpu(), out_lse.cpu(), ref_out, ref_lse, outs, torch.float16)
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_kernel_sequence_beyond_the_tuple_kernel_chains(base, device):
+    """More separately allocated states than one tuple launch takes: chained launches, same result."""
+    km = pytest.importorskip("ringlse.kernels.merge")
+    n, shape = km.MAX_TUPLE_STATES + 2, (1, 5, 2, 16)
+    outs, lses = draw_states(n, shape, "heads_first", dtype=torch.float32, seed=26)
+    ref_out, ref_lse = oracle(outs, lses, "heads_first", base)
+    out, out_lse = destinations(shape, "heads_first", torch.float32, torch.float32, device)
+    km.merge_states([o.to(device) for o in outs], [x.to(device) for x in lses], out, out_lse, base2=base == 2.0)
+    assert_kernel_close(out.cpu(), out_lse.cpu(), ref_out, ref_lse, outs, torch.float32)
