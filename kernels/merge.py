@@ -72,6 +72,19 @@ def _row_tile(n_heads, n_rows, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: 
 
 
 @triton.jit
+def _store_state(OUT, LSE_OUT, acc, lse, b, s, hh, cols, row_ok, mask,
+                 out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss, IN_PLACE: tl.constexpr):
+    """Write a tile's merged `out` (in OUT's dtype) and `lse`."""
+    if IN_PLACE:
+        # an output aliases an input: lse values are replicated across threads, so without this
+        # barrier a fast warp could overwrite an lse that a slower warp has not loaded yet
+        tl.debug_barrier()
+    out_off = b * out_sb + s * out_ss + hh * out_sh
+    tl.store(OUT + out_off[:, None] + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(LSE_OUT + b * lo_sb + hh * lo_sh + s * lo_ss, lse, mask=row_ok)
+
+
+@triton.jit
 def _merge_states_kernel(
     O0, O1, O2, O3,
     L0, L1, L2, L3,
@@ -131,13 +144,8 @@ def _merge_states_kernel(
     if N > 3:
         acc = acc + merge_term(w3 / t_safe, o3)
 
-    if IN_PLACE:
-        # an output aliases an input: lse values are replicated across threads, so without this
-        # barrier a fast warp could overwrite an lse that a slower warp has not loaded yet
-        tl.debug_barrier()
-    out_off = b * out_sb + s * out_ss + hh * out_sh
-    tl.store(OUT + out_off[:, None] + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
-    tl.store(LSE_OUT + b * lo_sb + hh * lo_sh + s * lo_ss, lse, mask=row_ok)
+    _store_state(OUT, LSE_OUT, acc, lse, b, s, hh, cols, row_ok, mask,
+                 out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss, IN_PLACE)
 
 
 @triton.jit
@@ -177,11 +185,8 @@ def _merge_stacked_kernel(
         o = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         acc = acc + merge_term(wi, o)
         ptrs += o_sn  # a pointer step per state: no int32 product of a large stride
-    if IN_PLACE:
-        tl.debug_barrier()
-    out_off = b * out_sb + s * out_ss + hh * out_sh
-    tl.store(OUT + out_off[:, None] + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
-    tl.store(LSE_OUT + b * lo_sb + hh * lo_sh + s * lo_ss, lse, mask=row_ok)
+    _store_state(OUT, LSE_OUT, acc, lse, b, s, hh, cols, row_ok, mask,
+                 out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss, IN_PLACE)
 
 
 @triton.jit
@@ -209,11 +214,8 @@ def _merge_tuple_kernel(
         o_i = _load_out(OS[i], b, hh, s, O_SB[i], O_SS[i], O_SH[i], cols, mask)
         m, t, acc = merge_fold(m, t, acc, l_i, o_i, BASE2)
     lse, acc = merge_finish(m, t, acc, BASE2)
-    if IN_PLACE:
-        tl.debug_barrier()
-    out_off = b * out_sb + s * out_ss + hh * out_sh
-    tl.store(OUT + out_off[:, None] + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
-    tl.store(LSE_OUT + b * lo_sb + hh * lo_sh + s * lo_ss, lse, mask=row_ok)
+    _store_state(OUT, LSE_OUT, acc, lse, b, s, hh, cols, row_ok, mask,
+                 out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss, IN_PLACE)
 
 
 KERNEL_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
