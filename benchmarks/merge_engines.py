@@ -14,8 +14,8 @@ written), the engine's formula written in PyTorch (eager, float32 math: what one
 fused kernel), and FlashInfer's own kernels when `import flashinfer` works. Bytes: every input read
 once (N outs + N lses), the output and its lse written once.
 
-Also: the stacked kernel against the four-slot one at N = 2, 4 (which the dispatch should pick), and
-a launch-configuration sweep of the stacked kernel.
+Also: the stacked kernel against the four-slot one at N = 2, 4 and against the tuple one at N = 8, 16
+(which the dispatch should pick), and a launch-configuration sweep of the stacked kernel.
 
 Usage: python benchmarks/merge_engines.py --out FILE.json [--plot FILE.png] [--quick]
        python benchmarks/merge_engines.py --plot-from FILE.json --plot FILE.png   (plot only, no GPU)
@@ -227,6 +227,22 @@ def kernel_rows(budget_s, quick):
                              **{f"{k}_ms": v for k, v in ms.items()},
                              **{f"{k}_vs_copy": ms["copy"] / v for k, v in ms.items() if k != "copy"}))
     t = kts[-1]
+    for n in (8, 16):  # the same equally spaced states through the stacked and the tuple kernel
+        v = torch.randn(t, n, H, D, device=DEV, dtype=torch.bfloat16)
+        s = torch.randn(t, n, H, device=DEV) * 3
+        out = torch.empty(t, H, D, device=DEV, dtype=torch.bfloat16)
+        out_lse = torch.empty(t, H, device=DEV)
+        vs, sv, olv = list(v.unbind(1)), [x.transpose(-1, -2) for x in s.unbind(1)], out_lse.transpose(-1, -2)
+        nbytes = n * (t * H * D * 2 + t * H * 4) + t * H * D * 2 + t * H * 4
+        fns = {
+            "stacked": lambda i: km._launch_stacked(n, vs[0], sv[0], v.stride(1), s.stride(1), out, olv, None, None, True),
+            "tuple": lambda i: km._launch_tuple(vs, sv, out, olv, None, None, True),
+            "copy": (lambda c: (lambda i: c()))(_copy_fn(nbytes)),
+        }
+        ms = interleaved_ms(fns, budget_s=budget_s)
+        rows.append(dict(what="stacked vs tuple kernel, flashinfer layout", T=t, N=n, bytes=nbytes,
+                         **{f"{k}_ms": x for k, x in ms.items()},
+                         **{f"{k}_vs_copy": ms["copy"] / x for k, x in ms.items() if k != "copy"}))
     for n in (4, 16):
         v = torch.randn(t, n, H, D, device=DEV, dtype=torch.bfloat16)
         s = torch.randn(t, n, H, device=DEV) * 3

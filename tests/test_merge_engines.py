@@ -611,3 +611,27 @@ def test_kernel_sequence_beyond_the_tuple_kernel_chains(base, device):
     out, out_lse = destinations(shape, "heads_first", torch.float32, torch.float32, device)
     km.merge_states([o.to(device) for o in outs], [x.to(device) for x in lses], out, out_lse, base2=base == 2.0)
     assert_kernel_close(out.cpu(), out_lse.cpu(), ref_out, ref_lse, outs, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("layout", "form", "n"),
+    [
+        pytest.param("tokens_first", "engine", 16, id="flashinfer-n16"),
+        pytest.param("tokens_first", "stack0", 3, id="fa4-n3"),
+        pytest.param("heads_first", "seq", 2, id="vllm-n2"),
+        pytest.param("heads_first", "seq", 16, id="seq-n16"),
+    ],
+)
+def test_gpu_out_allocates_nothing(layout, form, n):
+    """With `out=` and `out_lse=` the CUDA call allocates no memory (the kernel writes the destinations)."""
+    outs, lses = draw_states(n, (1, 333, 32, 128), layout, dtype=torch.bfloat16, seed=33)
+    o_in, l_in, dim = stack([o.cuda() for o in outs], [x.cuda() for x in lses], form, layout)
+    out, out_lse = destinations((1, 333, 32, 128), layout, torch.bfloat16, torch.float32, "cuda")
+    kw = dict(lse_layout=layout, lse_base=2.0, dim=dim, out=out, out_lse=out_lse)
+    merge_attn_states(o_in, l_in, **kw)  # compiles
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    merge_attn_states(o_in, l_in, **kw)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
