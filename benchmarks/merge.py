@@ -8,6 +8,8 @@ Times are `triton.testing.do_bench` medians (it flushes L2 before each run; ever
 larger than L2 anyway). The main shape also gets a sweep of launch configurations.
 
 Usage: python benchmarks/merge.py [--out DIR]   (writes DIR/merge-<gpu>.json, default benchmarks/results)
+       python benchmarks/merge.py --engines --out FILE.json [--plot FILE.png]   (the engines' conventions:
+       benchmarks/merge_engines.py)
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ def _check(out, lse, blk, blk_lse) -> float:
 
 
 def main() -> None:
+    if "--engines" in sys.argv[1:]:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from merge_engines import main as engines_main
+
+        engines_main([a for a in sys.argv[1:] if a != "--engines"])
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()

@@ -106,6 +106,22 @@ def merge(d: dict) -> list[str]:
     return lines
 
 
+def merge_engines(d: dict) -> list[str]:
+    """benchmarks/merge_engines.py: merge_attn_states in the engines' conventions vs the copy of the same bytes."""
+    lines = [f"**Merging in the engines' conventions** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}; "
+             f"{d['flashinfer']}; `{d['command']}`), bf16 outs, float32 lse, H 32, D 128; × copy: bandwidth over "
+             "a device copy moving the same bytes, eager and GPU time (CUDA-graph replay), launches interleaved:", "",
+             "| case | T | N | fused ms | GB/s | × copy | × copy (GPU time) | torch formula × copy (GPU time) | "
+             "× torch formula | FlashInfer × copy (GPU time) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in d["rows"]:
+        lines.append(f"| {r['case']} | {r['T']} | {r['N']} | {r['fused_ms']:.4f} | {r['fused_gbs']:.0f} | "
+                     f"{_fmt(r.get('fused_vs_copy'))} | {_fmt(r.get('fused_vs_copy_graph'))} | "
+                     f"{_fmt(r.get('torch_formula_vs_copy_graph'))} | "
+                     f"{_fmt(r.get('fused_speedup_vs_torch_formula_graph', r.get('fused_speedup_vs_torch_formula')))} | "
+                     f"{_fmt(r.get('flashinfer_vs_copy_graph', r.get('flashinfer_vs_copy')))} |")
+    return lines
+
+
 def lse_toolkit(d: dict) -> list[str]:
     lines = [f"**LSE toolkit** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}); device copy "
              f"{d['copy_GBps']:.0f} GB/s; speedups are vs `torch.softmax` / `torch.log_softmax` / "
@@ -231,6 +247,8 @@ def headline_error_growth(path: Path, d: dict) -> list[list[str]]:
 
 
 def headline_merge(path: Path, d: dict) -> list[list[str]]:
+    if path.name.startswith("merge_engines"):
+        return []  # headline_merge_engines
     rows = [r for r in d["rows"] if r.get("fused_vs_copy") is not None]
     if not rows:
         return []
@@ -239,6 +257,30 @@ def headline_merge(path: Path, d: dict) -> list[list[str]]:
     return [["fused merge kernel, share of device-copy bandwidth",
              f"{r['what']} {tuple(r['shape'])}, {r.get('block_dtype')} block: **{r['fused_vs_copy']:.2f}× copy**"
              f"{eager}; all shapes {_range([x['fused_vs_copy'] for x in rows])} copy", _src(path)]]
+
+
+def headline_merge_engines(path: Path, d: dict) -> list[list[str]]:
+    def ratio(r):
+        return r.get("fused_vs_copy_graph", r.get("fused_vs_copy"))
+
+    rows = [r for r in d["rows"] if r["T"] >= 1024 and ratio(r) is not None]
+    if not rows:
+        return []
+    cases = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        rs = [r for r in rows if r["case"] == case]
+        cases.append(f"{case} {_range([ratio(r) for r in rs])}")
+    vs = [r.get("fused_speedup_vs_torch_formula_graph", r.get("fused_speedup_vs_torch_formula")) for r in rows]
+    vs = [x for x in vs if x is not None]
+    fi = [r.get("fused_speedup_vs_flashinfer_graph", r.get("fused_speedup_vs_flashinfer")) for r in rows]
+    fi = [x for x in fi if x is not None]
+    peers = (f"; {_range(vs)} faster than the engines' formulas in PyTorch" if vs else "") + (
+        f"; {_range(fi)} the speed of FlashInfer's kernels" if fi else f"; {d['flashinfer'].split(' (')[0]}")
+    ns = "/".join(str(n) for n in sorted({r["N"] for r in rows}))
+    ts = sorted({r["T"] for r in rows})
+    return [[f"`merge_attn_states` in the engines' conventions, share of device-copy bandwidth (GPU time), "
+             f"bf16, H 32, D 128, T {_k(ts[0])}–{_k(ts[-1])}, N {ns}, {d['gpu'].replace('NVIDIA ', '')}",
+             "; ".join(cases) + peers, _src(path)]]
 
 
 def headline_block_attention(path: Path, d: dict) -> list[list[str]]:
@@ -379,6 +421,7 @@ def _memory_fake(path: Path, d: dict) -> list[list[str]]:
 
 
 HEADLINE = (("ring-", headline_ring), ("error_growth", headline_error_growth), ("merge", headline_merge),
+            ("merge_engines", headline_merge_engines),
             ("block_attention", headline_block_attention), ("masked_attention", headline_masked_attention),
             ("lse_toolkit", headline_lse_toolkit), ("fa4-", headline_fa4), ("memory-", headline_memory))
 
@@ -443,7 +486,8 @@ def before_after(files: list[tuple[Path, dict]]) -> list[str]:
 SECTIONS = (("block_attention", "Block attention", block_attention), ("error_growth", "Error growth with the world size", error_growth),
             ("lse_toolkit", "LSE toolkit", lse_toolkit),
             ("masked_attention", "Masked block attention (windows, packed documents)", masked_attention),
-            ("merge", "Fused merge", merge), ("ring", "Ring attention", ring))
+            ("merge_engines", "Merging in the engines' conventions", merge_engines), ("merge", "Fused merge", merge),
+            ("ring", "Ring attention", ring))
 
 
 def load(results: Path) -> list[tuple[Path, dict]]:

@@ -6,9 +6,17 @@ a fifth of the device copy bandwidth; this kernel reads every input once and wri
 once, so it can approach the copy rate.
 
 Layout: a state is `out` `[B, S, H, D]` (any float dtype, last dim contiguous, other strides free, so
-`buf[:, half:]` views of a ring buffer work) with `lse` `[B, H, S]` float32 (any strides). Programs
-walk rows `r = s * H + h` of one batch entry, so that for the usual `[B, S, H, D]` layout a tile of
-rows is one contiguous stretch of memory.
+`buf[:, half:]` views of a ring buffer work) with `lse` `[B, H, S]` float32 (any strides: a tokens-first
+`[B, S, H]` lse comes as its transpose, so the engines' layouts cost no copy). Programs walk rows
+`r = s * H + h` of one batch entry, so that for the usual `[B, S, H, D]` layout a tile of rows is one
+contiguous stretch of memory.
+
+Three kernels, each one launch. `_merge_states_kernel` takes up to four states through a slot each
+(any mix of dtypes and strides). `_merge_stacked_kernel` takes any number of states of one dtype and
+strides that lie at one distance from each other (a stacked tensor's states, whatever dim they are
+stacked along: FlashInfer's `[T, N, H, D]`, FA4's `[N, T, H, D]`). `_merge_tuple_kernel` takes up to 16
+states anywhere (tuples of pointers and strides); more chain launches through a float32 intermediate. `BASE2`: every lse in and out is in base 2, and the math runs in base 2 (exp2/log2): the same
+weights, with no conversion pass.
 
 Math per row: `ringlse.kernels.merge_math` (CONVENTIONS.md §3), max first: every state's lse is loaded
 before any math, so the max comes first, then one exp per state and the weights divided by their sum
@@ -17,6 +25,7 @@ before they touch the outputs. Subtracting the max keeps lse values of +-1e4 fin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -24,10 +33,13 @@ import triton
 import triton.language as tl
 
 from ringlse.kernels.host import cdiv, next_power_of_2
-from ringlse.kernels.merge_math import merge_lse, merge_shift, merge_term, merge_weight
+from ringlse.kernels.merge_math import merge_finish, merge_fold, merge_lse, merge_shift, merge_term, merge_weight
 
-# states merged by one launch; merge_states chains launches for more
+# states the four-slot kernel merges in one launch
 MAX_STATES_PER_LAUNCH = 4
+# states of a sequence (not equally spaced) the tuple kernel merges in one launch; merge_states chains
+# launches for more
+MAX_TUPLE_STATES = 16  # 32 spill registers on sm_90 (ptxas -v)
 
 
 @triton.jit
@@ -39,6 +51,37 @@ def _load_lse(L, b, hh, s, sb, sh, ss, row_ok):
 def _load_out(O, b, hh, s, sb, ss, sh, cols, mask):
     row_off = b * sb + s * ss + hh * sh
     return tl.load(O + row_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row_tile(n_heads, n_rows, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's tile of rows `r = s * H + h` of batch entry `b`: `(b, s, hh, cols, row_ok, mask)`."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    # int64 offsets: a [1, 128K, 32, 128] state already has 2^29 elements per tensor
+    s = (rows // n_heads).to(tl.int64)
+    hh = (rows % n_heads).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    if BLOCK_D == D:
+        mask = row_ok[:, None]  # uniform along d, so loads stay vectorised
+    else:
+        mask = row_ok[:, None] & (cols < D)[None, :]
+    return b, s, hh, cols, row_ok, mask
+
+
+@triton.jit
+def _store_state(OUT, LSE_OUT, acc, lse, b, s, hh, cols, row_ok, mask,
+                 out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss, IN_PLACE: tl.constexpr):
+    """Write a tile's merged `out` (in OUT's dtype) and `lse`."""
+    if IN_PLACE:
+        # an output aliases an input: lse values are replicated across threads, so without this
+        # barrier a fast warp could overwrite an lse that a slower warp has not loaded yet
+        tl.debug_barrier()
+    out_off = b * out_sb + s * out_ss + hh * out_sh
+    tl.store(OUT + out_off[:, None] + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(LSE_OUT + b * lo_sb + hh * lo_sh + s * lo_ss, lse, mask=row_ok)
 
 
 @triton.jit
@@ -55,19 +98,9 @@ def _merge_states_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IN_PLACE: tl.constexpr,
+    BASE2: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
-    # int64 offsets: a [1, 128K, 32, 128] state already has 2^29 elements per tensor
-    s = (rows // n_heads).to(tl.int64)
-    hh = (rows % n_heads).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    if BLOCK_D == D:
-        mask = row_ok[:, None]  # uniform along d, so loads stay vectorised
-    else:
-        mask = row_ok[:, None] & (cols < D)[None, :]
+    b, s, hh, cols, row_ok, mask = _row_tile(n_heads, n_rows, D, BLOCK_R, BLOCK_D)
 
     # issue every load before any math so that all of them are in flight together
     l0 = _load_lse(L0, b, hh, s, l0_sb, l0_sh, l0_ss, row_ok)
@@ -90,18 +123,18 @@ def _merge_states_kernel(
     if N > 3:
         m = tl.maximum(m, l3)
     shift = merge_shift(m)
-    w0 = merge_weight(l0, shift, False)
+    w0 = merge_weight(l0, shift, BASE2)
     t = w0
     if N > 1:
-        w1 = merge_weight(l1, shift, False)
+        w1 = merge_weight(l1, shift, BASE2)
         t = t + w1
     if N > 2:
-        w2 = merge_weight(l2, shift, False)
+        w2 = merge_weight(l2, shift, BASE2)
         t = t + w2
     if N > 3:
-        w3 = merge_weight(l3, shift, False)
+        w3 = merge_weight(l3, shift, BASE2)
         t = t + w3
-    lse, t_safe = merge_lse(shift, t, False)
+    lse, t_safe = merge_lse(shift, t, BASE2)
 
     acc = merge_term(w0 / t_safe, o0)
     if N > 1:
@@ -111,13 +144,78 @@ def _merge_states_kernel(
     if N > 3:
         acc = acc + merge_term(w3 / t_safe, o3)
 
-    if IN_PLACE:
-        # an output aliases an input: lse values are replicated across threads, so without this
-        # barrier a fast warp could overwrite an lse that a slower warp has not loaded yet
-        tl.debug_barrier()
-    out_off = b * out_sb + s * out_ss + hh * out_sh
-    tl.store(OUT + out_off[:, None] + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
-    tl.store(LSE_OUT + b * lo_sb + hh * lo_sh + s * lo_ss, lse, mask=row_ok)
+    _store_state(OUT, LSE_OUT, acc, lse, b, s, hh, cols, row_ok, mask,
+                 out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss, IN_PLACE)
+
+
+@triton.jit
+def _merge_stacked_kernel(
+    O, L, OUT, LSE_OUT,
+    n_heads, n_rows,
+    o_sn, o_sb, o_ss, o_sh,
+    l_sn, l_sb, l_sh, l_ss,
+    out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+    BASE2: tl.constexpr,
+):
+    """N states at one stride from each other (`o_sn`, `l_sn` elements): a stacked tensor's states,
+    whatever dim they are stacked along. Every lse of a tile of rows is loaded first as one
+    `[BLOCK_R, BLOCK_N]` tile (max, weights and their sum per row), then the outputs state after state
+    (unrolled, so their loads need not wait for each other), each scaled and added once."""
+    b, s, hh, cols, row_ok, mask = _row_tile(n_heads, n_rows, D, BLOCK_R, BLOCK_D)
+    ns = tl.arange(0, BLOCK_N)
+    l_off = b * l_sb + hh * l_sh + s * l_ss
+    lt = tl.load(
+        L + l_off[:, None] + ns.to(tl.int64)[None, :] * l_sn,
+        mask=row_ok[:, None] & (ns < N)[None, :], other=float("-inf"),
+    ).to(tl.float32)
+    shift = merge_shift(tl.max(lt, axis=1))
+    w = merge_weight(lt, shift[:, None], BASE2)
+    lse, t_safe = merge_lse(shift, tl.sum(w, axis=1), BASE2)
+    w = w / t_safe[:, None]
+    ptrs = O + (b * o_sb + s * o_ss + hh * o_sh)[:, None] + cols[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for i in tl.static_range(N):
+        wi = tl.sum(tl.where(ns[None, :] == i, w, 0.0), axis=1)
+        o = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        acc = acc + merge_term(wi, o)
+        ptrs += o_sn  # a pointer step per state: no int32 product of a large stride
+    _store_state(OUT, LSE_OUT, acc, lse, b, s, hh, cols, row_ok, mask,
+                 out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss, IN_PLACE)
+
+
+@triton.jit
+def _merge_tuple_kernel(
+    OS, LS, OUT, LSE_OUT,
+    n_heads, n_rows,
+    O_SB, O_SS, O_SH, L_SB, L_SH, L_SS,
+    out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss,
+    N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+    BASE2: tl.constexpr,
+):
+    """N states anywhere (tuples of tensors `OS`, `LS` and of their strides): the states of a sequence
+    of separately allocated tensors, more than the four-slot kernel takes. Merged online, state after
+    state (`merge_fold`: each lse and output read once, two exps per state)."""
+    b, s, hh, cols, row_ok, mask = _row_tile(n_heads, n_rows, D, BLOCK_R, BLOCK_D)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    t = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for i in tl.static_range(N):
+        l_i = _load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok)
+        o_i = _load_out(OS[i], b, hh, s, O_SB[i], O_SS[i], O_SH[i], cols, mask)
+        m, t, acc = merge_fold(m, t, acc, l_i, o_i, BASE2)
+    lse, acc = merge_finish(m, t, acc, BASE2)
+    _store_state(OUT, LSE_OUT, acc, lse, b, s, hh, cols, row_ok, mask,
+                 out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss, IN_PLACE)
 
 
 KERNEL_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -146,8 +244,70 @@ def default_config(head_dim: int, n_states: int) -> tuple[int, int]:
     return block_rows, (8 if block_rows * block_d >= 4096 else 4)
 
 
+def stacked_config(head_dim: int, n_states: int) -> tuple[int, int]:
+    """`(block_rows, num_warps)` of the stacked kernel: about 2K elements per tile (the accumulator
+    and the state being added live at once; the unrolled loads of later states keep bytes in flight)."""
+    block_d = next_power_of_2(head_dim)
+    return max(1, 2048 // block_d), 4
+
+
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def state_stride(ts: Sequence[torch.Tensor]) -> int | None:
+    """The distance in elements between consecutive tensors of `ts` when they are equally spaced views of
+    one storage with the same shape, strides and dtype (the states of a stacked tensor, unbound along
+    any dim), else None."""
+    t0 = ts[0]
+    if len(ts) < 2:
+        return 0
+    size = t0.element_size()
+    step, rem = divmod(ts[1].data_ptr() - t0.data_ptr(), size)
+    if rem:
+        return None
+    for i, t in enumerate(ts):
+        if (t.dtype != t0.dtype or t.shape != t0.shape or t.stride() != t0.stride()
+                or not _shares_memory(t, t0) or t.data_ptr() - t0.data_ptr() != i * step * size):
+            return None
+    return step
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class _Grid:
+    """What both launchers share: the destination as `[B, S, H, D]` / `[B, H, S]` views, the grid and
+    the launch configuration (None when there is nothing to do)."""
+
+    def __init__(self, out, lse, config, n, block_rows, num_warps, srcs):
+        self.out4, self.lse4 = _flat_out(out), _flat_lse(lse)
+        batch, seqlen, self.nheads, self.head_dim = self.out4.shape
+        self.n_rows = seqlen * self.nheads
+        self.empty = batch == 0 or self.n_rows == 0 or self.head_dim == 0
+        default_rows, default_warps = config(self.head_dim, n)
+        if block_rows is None and out.is_cuda and not self.empty:
+            # few rows (decoding: a handful of tokens): smaller tiles, so that more SMs each keep loads
+            # in flight, down to a row per program
+            ctas = 2 * _sm_count(out.device)
+            while default_rows > 1 and cdiv(self.n_rows, default_rows) * batch < ctas:
+                default_rows //= 2
+            tile = default_rows * next_power_of_2(self.head_dim)
+            default_warps = max(1, min(default_warps, tile // 256))
+        self.block_rows = default_rows if block_rows is None else block_rows
+        self.num_warps = default_warps if num_warps is None else num_warps
+        self.grid = (cdiv(self.n_rows, self.block_rows), batch)
+        self.in_place = any(_shares_memory(dst, src) for dst in (out, lse) for src in srcs)
+
+    def dst_args(self) -> list:
+        o, l = self.out4, self.lse4
+        return [o.stride(0), o.stride(1), o.stride(2), l.stride(0), l.stride(1), l.stride(2)]
+
+    def constants(self, n: int, base2: bool) -> dict:
+        return dict(N=n, D=self.head_dim, BLOCK_R=self.block_rows, BLOCK_D=next_power_of_2(self.head_dim),
+                    IN_PLACE=self.in_place, BASE2=base2, num_warps=self.num_warps)
 
 
 def _launch(
@@ -157,33 +317,70 @@ def _launch(
     lse: torch.Tensor,
     block_rows: int | None,
     num_warps: int | None,
+    base2: bool = False,
 ) -> None:
     n = len(outs)
+    g = _Grid(out, lse, default_config, n, block_rows, num_warps, (*outs, *lses))
+    if g.empty:
+        return
     o4 = [_flat_out(x) for x in outs]
     l4 = [_flat_lse(x) for x in lses]
-    out4, lse4 = _flat_out(out), _flat_lse(lse)
-    batch, seqlen, nheads, head_dim = out4.shape
-    n_rows = seqlen * nheads
-    if batch == 0 or n_rows == 0 or head_dim == 0:
-        return
-    default_rows, default_warps = default_config(head_dim, n)
-    block_rows = default_rows if block_rows is None else block_rows
-    num_warps = default_warps if num_warps is None else num_warps
     # unused slots repeat state 0; the kernel never touches them (N is a compile-time constant)
     o_args = o4 + [o4[0]] * (MAX_STATES_PER_LAUNCH - n)
     l_args = l4 + [l4[0]] * (MAX_STATES_PER_LAUNCH - n)
     o_strides = [st for x in o_args for st in (x.stride(0), x.stride(1), x.stride(2))]
     l_strides = [st for x in l_args for st in (x.stride(0), x.stride(1), x.stride(2))]
-    in_place = any(_shares_memory(dst, src) for dst in (out, lse) for src in (*outs, *lses))
-    grid = (cdiv(n_rows, block_rows), batch)
-    _merge_states_kernel[grid](
-        *o_args, *l_args, out4, lse4,
-        nheads, n_rows,
-        *o_strides, *l_strides,
-        out4.stride(0), out4.stride(1), out4.stride(2),
-        lse4.stride(0), lse4.stride(1), lse4.stride(2),
-        N=n, D=head_dim, BLOCK_R=block_rows, BLOCK_D=next_power_of_2(head_dim),
-        IN_PLACE=in_place, num_warps=num_warps,
+    _merge_states_kernel[g.grid](
+        *o_args, *l_args, g.out4, g.lse4, g.nheads, g.n_rows, *o_strides, *l_strides, *g.dst_args(),
+        **g.constants(n, base2),
+    )
+
+
+def _launch_stacked(
+    n: int,
+    out0: torch.Tensor,
+    lse0: torch.Tensor,
+    o_sn: int,
+    l_sn: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_rows: int | None,
+    num_warps: int | None,
+    base2: bool,
+) -> None:
+    """N states: `out0`/`lse0` (state 0) and each next one `o_sn`/`l_sn` elements further."""
+    g = _Grid(out, lse, stacked_config, n, block_rows, num_warps, (out0, lse0))
+    if g.empty:
+        return
+    o0, l0 = _flat_out(out0), _flat_lse(lse0)
+    _merge_stacked_kernel[g.grid](
+        o0, l0, g.out4, g.lse4, g.nheads, g.n_rows,
+        o_sn, o0.stride(0), o0.stride(1), o0.stride(2),
+        l_sn, l0.stride(0), l0.stride(1), l0.stride(2),
+        *g.dst_args(), BLOCK_N=next_power_of_2(n), **g.constants(n, base2),
+    )
+
+
+def _launch_tuple(
+    outs: Sequence[torch.Tensor],
+    lses: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_rows: int | None,
+    num_warps: int | None,
+    base2: bool,
+) -> None:
+    n = len(outs)
+    g = _Grid(out, lse, stacked_config, n, block_rows, num_warps, (*outs, *lses))
+    if g.empty:
+        return
+    o4 = tuple(_flat_out(x) for x in outs)
+    l4 = tuple(_flat_lse(x) for x in lses)
+    _merge_tuple_kernel[g.grid](
+        o4, l4, g.out4, g.lse4, g.nheads, g.n_rows,
+        *(tuple(x.stride(k) for x in o4) for k in range(3)),
+        *(tuple(x.stride(k) for x in l4) for k in range(3)),
+        *g.dst_args(), **g.constants(n, base2),
     )
 
 
@@ -229,43 +426,99 @@ def merge_states(
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
+    base2: bool = False,
+    stacked: bool | None = None,
     block_rows: int | None = None,
     num_warps: int | None = None,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge N attention states into `(out, lse)`, reading each input once and writing each output once.
 
     Args:
         outs: N >= 1 tensors `[..., S, H, D]`, fp16/bf16/fp32, head dim contiguous (other strides free).
-        lses: N tensors `[..., H, S]` float32 (any strides).
+        lses: N tensors `[..., H, S]` float32 (any strides: a tokens-first `[..., S, H]` lse is passed
+            as its transpose).
         out: destination `[..., S, H, D]`, fp16/bf16/fp32; may be `outs[0]` itself (in-place update).
-        lse: destination `[..., H, S]` float32; may be `lses[0]` itself.
-        block_rows, num_warps: launch configuration (defaults from `default_config`).
+        lse: destination `[..., H, S]` float32 (any strides); may be `lses[0]` itself.
+        base2: every lse, given and written, is in base 2 (the math runs in base 2: exp2/log2).
+        stacked: which kernel: the four-slot one (False: beyond four states, the tuple kernel), the
+            stacked one (True: needs the states equally spaced in memory, `state_stride`), or None:
+            four-slot up to four states, beyond that stacked when the states are equally spaced, else
+            the tuple kernel (up to `MAX_TUPLE_STATES`; more chain launches).
+        block_rows, num_warps: launch configuration (defaults from `default_config`/`stacked_config`).
+        check: run `check_kernel_inputs` (callers that just did may skip it).
 
     Returns:
         `(out, lse)`, the destinations, holding `lse = logsumexp_i lse_i` and
         `out = sum_i exp(lse_i - lse) * out_i` (`(0, -inf)` where every state is `-inf`).
 
-    More than four states take several launches through a float32 intermediate state.
+    More than `MAX_TUPLE_STATES` states that are not equally spaced take several launches through a
+    float32 intermediate state.
     """
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError(f"merge_states: need as many lses as outs (>= 1), got {len(outs)} and {len(lses)}")
-    reason = check_kernel_inputs(outs, lses, out, lse)
+    reason = check_kernel_inputs(outs, lses, out, lse) if check else None
     if reason is not None:
         raise ValueError(f"merge_states: {reason}")
     outs, lses = list(outs), list(lses)
     k = MAX_STATES_PER_LAUNCH
+    if stacked is not False and (stacked or len(outs) > k):
+        o_sn, l_sn = state_stride([_flat_out(x) for x in outs]), state_stride([_flat_lse(x) for x in lses])
+        if o_sn is not None and l_sn is not None:
+            _launch_stacked(len(outs), outs[0], lses[0], o_sn, l_sn, out, lse, block_rows, num_warps, base2)
+            return out, lse
+        if stacked:
+            raise ValueError("merge_states(stacked=True): the states are not equally spaced views of one tensor")
     if len(outs) <= k:
-        _launch(outs, lses, out, lse, block_rows, num_warps)
+        _launch(outs, lses, out, lse, block_rows, num_warps, base2)
+        return out, lse
+    if len(outs) <= MAX_TUPLE_STATES:
+        _launch_tuple(outs, lses, out, lse, block_rows, num_warps, base2)
         return out, lse
     # chain: merge the first four into a float32 state, then fold the rest in three at a time
     acc_out = torch.empty(out.shape, dtype=torch.float32, device=out.device)
     acc_lse = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
-    _launch(outs[:k], lses[:k], acc_out, acc_lse, block_rows, num_warps)
+    _launch(outs[:k], lses[:k], acc_out, acc_lse, block_rows, num_warps, base2)
     i = k
     while len(outs) - i > k - 1:
-        _launch([acc_out, *outs[i : i + k - 1]], [acc_lse, *lses[i : i + k - 1]], acc_out, acc_lse, block_rows, num_warps)
+        _launch([acc_out, *outs[i : i + k - 1]], [acc_lse, *lses[i : i + k - 1]], acc_out, acc_lse, block_rows, num_warps, base2)
         i += k - 1
-    _launch([acc_out, *outs[i:]], [acc_lse, *lses[i:]], out, lse, block_rows, num_warps)
+    _launch([acc_out, *outs[i:]], [acc_lse, *lses[i:]], out, lse, block_rows, num_warps, base2)
+    return out, lse
+
+
+def merge_stacked(
+    out0: torch.Tensor,
+    lse0: torch.Tensor,
+    n: int,
+    out_step: int,
+    lse_step: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    base2: bool = False,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_states` of N states given by the first one and the distance to the next (a stacked tensor's,
+    `out_step = stacked.stride(dim)`), checked once rather than per state (the host time of a call of a
+    few tokens matters: decoding).
+
+    Args:
+        out0: state 0's out `[..., S, H, D]`; lse0: its lse `[..., H, S]` (any strides).
+        n: how many states; out_step, lse_step: elements from one state's out/lse to the next's.
+        out, lse, base2, block_rows, num_warps: as in `merge_states`.
+    """
+    reason = check_kernel_inputs([out0], [lse0], out, lse)
+    if reason is not None:
+        raise ValueError(f"merge_stacked: {reason}")
+    o0, l0 = _flat_out(out0), _flat_lse(lse0)
+    if n <= MAX_STATES_PER_LAUNCH:
+        outs = [o0.as_strided(o0.shape, o0.stride(), o0.storage_offset() + i * out_step) for i in range(n)]
+        lses = [l0.as_strided(l0.shape, l0.stride(), l0.storage_offset() + i * lse_step) for i in range(n)]
+        _launch(outs, lses, out, lse, block_rows, num_warps, base2)
+    else:
+        _launch_stacked(n, o0, l0, out_step, lse_step, out, lse, block_rows, num_warps, base2)
     return out, lse
 
 
@@ -275,6 +528,7 @@ def update_state_(
     block_out: torch.Tensor,
     block_lse: torch.Tensor,
     *,
+    base2: bool = False,
     block_rows: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,10 +536,13 @@ def update_state_(
 
     Args:
         out: running state `[..., S, H, D]` (float32 as a rule), updated in place.
-        lse: its lse `[..., H, S]` float32, updated in place.
+        lse: its lse `[..., H, S]` float32 (any strides), updated in place.
         block_out: `[..., S, H, D]` fp16/bf16/fp32; block_lse: `[..., H, S]` float32.
+        base2: both lses in base 2.
 
     Returns:
         `(out, lse)`.
     """
-    return merge_states([out, block_out], [lse, block_lse], out, lse, block_rows=block_rows, num_warps=num_warps)
+    return merge_states(
+        [out, block_out], [lse, block_lse], out, lse, base2=base2, stacked=False, block_rows=block_rows, num_warps=num_warps
+    )
