@@ -479,9 +479,11 @@ def _attn_bwd_dkdv_hopper_kernel(
 # launcher
 
 
-def hopper_dkdv_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> bool:
-    """Whether `hopper_dkdv` takes these inputs (see `attention_fwd_hopper.tma_rows_apply`)."""
-    return tma_rows_apply(q, k, v, dout)
+def hopper_dkdv_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                        softcap: float = 0.0) -> bool:
+    """Whether `hopper_dkdv` takes these inputs (see `attention_fwd_hopper.tma_rows_apply`): not with a
+    softcap or a V head dim of its own (the portable kernels compute those)."""
+    return softcap == 0.0 and v.shape[-1] == q.shape[-1] and tma_rows_apply(q, k, v, dout)
 
 
 def hopper_fuses_dq(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> bool:

@@ -569,10 +569,10 @@ def _gluon_supported() -> bool:
     return (major, minor) >= (3, 6)
 
 
-def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float = 0.0) -> bool:
     """Whether `hopper_forward` takes these inputs: a CUDA sm_90 device, bf16/fp16, head dim 64 or 128,
     and `[b, s, heads, d]` strides that TMA can index as rows (16-byte aligned)."""
-    return tma_rows_apply(q, k, v)
+    return softcap == 0.0 and v.shape[-1] == q.shape[-1] and tma_rows_apply(q, k, v)
 
 
 def tma_rows_apply(*tensors: torch.Tensor) -> bool:
@@ -591,7 +591,7 @@ def tma_rows_apply(*tensors: torch.Tensor) -> bool:
 def hopper_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
     softmax_scale: float, causal: bool, offset: int, accum: bool, config: HopperConfig | None = None,
-    key_lo: torch.Tensor | None = None, key_hi: torch.Tensor | None = None,
+    key_lo: torch.Tensor | None = None, key_hi: torch.Tensor | None = None, softcap: float = 0.0,
 ) -> None:
     """Launch the Hopper forward, writing (or merging into, with `accum`) `out`/`lse`. The caller has
     checked `hopper_forward_applies`, validated the arguments, made `softmax_scale >= 0` and `offset` a
