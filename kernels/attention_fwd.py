@@ -15,7 +15,8 @@ unmasked, the others (at both ends, in one loop that jumps over the unmasked one
 that see no key of the block ride along through the unmasked tiles and are reset to the empty state at
 the end. Behind the `INTERVALS` constexpr: without intervals the kernel compiles as before.
 
-On sm_90 GPUs, bf16/fp16 blocks of head dim 64 or 128 (interval masks included) go to the Gluon kernel of
+On sm_90 GPUs, bf16/fp16 blocks of head dim 64 or 128, or Q/K 192 with V 128 (interval masks and softcap
+included; `attention_fwd_hopper.FWD_HEAD_DIMS`) go to the Gluon kernel of
 `attention_fwd_hopper` instead (same contract and numerics, TMA and warp-specialized WGMMA); this kernel
 serves everything else and the CPU interpreter.
 
@@ -299,7 +300,7 @@ def _forward_impl(
         launch(config)
         return
     if hopper_forward_applies is not None and hopper_forward_applies(q, k, v, softcap=softcap):
-        # sm_90, bf16/fp16, head dim 64/128: the Gluon kernel (TMA, warp-specialized WGMMA), 1.2-1.3x
+        # sm_90, bf16/fp16, head dims of FWD_HEAD_DIMS: the Gluon kernel (TMA, warp-specialized WGMMA), 1.2-1.3x
         # this one's speed on H200
         hopper_forward(q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, offset=offset, accum=accum,
                        key_lo=key_lo, key_hi=key_hi, softcap=softcap)

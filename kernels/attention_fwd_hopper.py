@@ -3,7 +3,8 @@ consumer warpgroups, the in-kernel merge into float32 accumulators kept.
 
 Same contract and numerics as `attention_fwd` (online softmax in base 2, rows that see no key come out
 `(0, -inf)`, the ring's running state folded in the epilogue), for the cases where it pays: bf16/fp16,
-head dims 64 and 128, dense, causal or interval-masked blocks (windows, packed documents).
+head dims 64 and 128 (and Q/K 192 with V 128, MLA's; 128 with V 64), dense, causal or interval-masked blocks
+(windows, packed documents), logit softcapping included.
 `attention_fwd`'s launcher routes here on sm_90 and keeps its own Triton kernel for everything else (and
 for the CPU interpreter, which does not run Gluon).
 
@@ -161,10 +162,13 @@ def _load_tile(descs, smem, bars, info, t, it, count, walk,
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     SQ = walk[3]
     SK = walk[4]
-    STAGES: gl.constexpr = k_smem.type.shape[0]
+    # Q and K in head-dim chunks (one for 64 and 128; 192 is no TMA box: boxes are powers of two)
+    CHUNK: gl.constexpr = q_smem.type.shape[2]
+    QK_CHUNKS: gl.constexpr = HEAD_D // CHUNK
+    STAGES: gl.constexpr = k_smem.type.shape[0] // QK_CHUNKS
     Q_SLOTS: gl.constexpr = q_ready.type.shape[0]
-    # Q in 64-row pieces, one per consumer (a 192-row tile is no TMA box: boxes are powers of two)
-    CONSUMERS: gl.constexpr = q_smem.type.shape[0] // Q_SLOTS
+    # Q in 64-row pieces, one per consumer (a 192-row tile is no TMA box either)
+    CONSUMERS: gl.constexpr = q_smem.type.shape[0] // (Q_SLOTS * QK_CHUNKS)
     ROWS: gl.constexpr = q_smem.type.shape[1]
     off_b, off_h, off_hk, m0, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL,
                                                                            INTERVALS)
@@ -173,17 +177,20 @@ def _load_tile(descs, smem, bars, info, t, it, count, walk,
     qs = count % Q_SLOTS
     # a fresh mbarrier counts as having completed phase 1: the first waits on "empty" return at once
     mbarrier.wait(q_empty.index(qs), ((count // Q_SLOTS) & 1) ^ 1)
-    mbarrier.expect(q_ready.index(qs), CONSUMERS * q_desc.block_type.nbytes)
+    mbarrier.expect(q_ready.index(qs), CONSUMERS * QK_CHUNKS * q_desc.block_type.nbytes)
     for c in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [off_b * SQ + m0 + c * ROWS, off_h * HEAD_D], q_ready.index(qs),
-                                        q_smem.index(qs * CONSUMERS + c))
+        for j in gl.static_range(QK_CHUNKS):
+            tma.async_copy_global_to_shared(q_desc, [off_b * SQ + m0 + c * ROWS, off_h * HEAD_D + j * CHUNK],
+                                            q_ready.index(qs), q_smem.index((qs * CONSUMERS + c) * QK_CHUNKS + j))
     for i in range(n_tiles):
         s = (it + i) % STAGES
         ph = (((it + i) // STAGES) & 1) ^ 1
         row = off_b * SK + n_lo + i * BLOCK_N
         mbarrier.wait(k_empty.index(s), ph)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, off_hk * HEAD_D], k_ready.index(s), k_smem.index(s))
+        mbarrier.expect(k_ready.index(s), QK_CHUNKS * k_desc.block_type.nbytes)
+        for j in gl.static_range(QK_CHUNKS):
+            tma.async_copy_global_to_shared(k_desc, [row, off_hk * HEAD_D + j * CHUNK], k_ready.index(s),
+                                            k_smem.index(s * QK_CHUNKS + j))
         mbarrier.wait(v_empty.index(s), ph)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [row, off_hk * HEAD_DV], v_ready.index(s), v_smem.index(s))
@@ -241,6 +248,16 @@ def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, 
 
 
 @gluon.jit
+def _qk_issue(q_smem, qb, k_smem, kb, s_zero, QK_CHUNKS: gl.constexpr):
+    """`S = Q K^T` issued asynchronously as one WGMMA per head-dim chunk, Q's chunks at `q_smem[qb:]`, K's
+    at `k_smem[kb:]`."""
+    qk = warpgroup_mma(q_smem.index(qb), k_smem.index(kb).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    for j in gl.static_range(1, QK_CHUNKS):
+        qk = warpgroup_mma(q_smem.index(qb + j), k_smem.index(kb + j).permute((1, 0)), qk, is_async=True)
+    return qk
+
+
+@gluon.jit
 def _lse_rows(Lse, strides, off_b, off_h, rows):
     """The lse's addresses for `rows` of head `off_h` of batch element `off_b`."""
     _, _, _, stride_lb, stride_lh, stride_ls = strides
@@ -261,9 +278,10 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls = strides
     num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL, LG_HEADS = walk
     t, n_lo, full_lo, full_hi, n_tiles = tile
-    STAGES: gl.constexpr = k_smem.type.shape[0]
+    QK_CHUNKS: gl.constexpr = HEAD_D // q_smem.type.shape[2]  # (see `_load_tile`)
+    STAGES: gl.constexpr = k_smem.type.shape[0] // QK_CHUNKS
     Q_SLOTS: gl.constexpr = q_ready.type.shape[0]
-    CONSUMERS: gl.constexpr = q_smem.type.shape[0] // Q_SLOTS
+    CONSUMERS: gl.constexpr = q_smem.type.shape[0] // (Q_SLOTS * QK_CHUNKS)
     ROWS: gl.constexpr = q_smem.type.shape[1]
     # V and O have their own head dim (MLA: Q/K 192, V 128)
     HEAD_DV: gl.constexpr = v_smem.type.shape[2]
@@ -282,7 +300,8 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = v_smem.dtype
     qs = count % Q_SLOTS
-    q_rows = q_smem.index(qs * CONSUMERS + WG)
+    qb = (qs * CONSUMERS + WG) * QK_CHUNKS
+    q_rows = q_smem.index(qb)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     offs_n0 = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
     offs_d = gl.arange(0, HEAD_DV, gl.SliceLayout(0, o_layout))
@@ -318,9 +337,9 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
         # the softmax of tile i runs while the tensor cores do P V of tile i-1 (600 against 577 TFLOP/s
         # without, hd 128, S 8K, H200)
         s = it % STAGES
-        k_buf = k_smem.index(s)
+        k_buf = k_smem.index(s * QK_CHUNKS)
         mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
-        qk = warpgroup_mma(q_rows, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = _qk_issue(q_smem, qb, k_smem, s * QK_CHUNKS, s_zero, QK_CHUNKS)
         qk, _, _ = warpgroup_mma_wait(0, deps=[qk, q_rows, k_buf])
         mbarrier.arrive(k_empty.index(s), count=1)
         p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, n_lo, full_lo, full_hi, SK, OFFSET,
@@ -328,9 +347,9 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for i in range(1, n_tiles):
             s = (it + i) % STAGES
-            k_buf = k_smem.index(s)
+            k_buf = k_smem.index(s * QK_CHUNKS)
             mbarrier.wait(k_ready.index(s), ((it + i) // STAGES) & 1)
-            qk = warpgroup_mma(q_rows, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            qk = _qk_issue(q_smem, qb, k_smem, s * QK_CHUNKS, s_zero, QK_CHUNKS)
             sp = (it + i - 1) % STAGES
             v_buf = v_smem.index(sp)
             mbarrier.wait(v_ready.index(sp), ((it + i - 1) // STAGES) & 1)
@@ -477,8 +496,11 @@ def _attn_fwd_hopper_kernel(
     # two Q slots in persistent programs: the next tile's Q lands while this one runs (one with the
     # merging forward's state buffer, for shared memory; it is freed after the tile's last S)
     Q_SLOTS: gl.constexpr = 2 if PERSISTENT and not STATE_TMA else 1
-    q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS * CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    # Q and K in head-dim chunks of their descriptors' boxes (see `_load_tile`)
+    QK_CHUNKS: gl.constexpr = HEAD_D // q_desc.block_type.shape[1]
+    q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS * CONSUMERS * QK_CHUNKS] + q_desc.block_type.shape,
+                                       q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -653,12 +675,16 @@ def hopper_forward(
         return
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     descs = []
-    # O's descriptor: Q's box over `out` (Q's own, unused, without either TMA path; float32 for the state)
-    for t, rows in ((q, 64), (k, block_n), (v, block_n), (out if tma_store or state_tma else q, 64)):
+    # O's descriptor: over `out` for either TMA path (float32 for the state); otherwise unused, over Q
+    # Q's and K's boxes: head-dim chunks of 64 where it is no power of two (192)
+    chunk = d if d & (d - 1) == 0 else 64
+    o_tma = tma_store or state_tma
+    for t, rows, cols in ((q, 64, chunk), (k, block_n, chunk), (v, block_n, dv),
+                          (out if o_tma else q, 64, dv if o_tma else chunk)):
         shape, strides = rows_view(t)
         elem = gl.float32 if t.dtype == torch.float32 else gl_dtype
-        layout = gl.NVMMASharedLayout.get_default_for([rows, t.shape[-1]], elem)
-        descs.append(TensorDescriptor(t, shape, strides, [rows, t.shape[-1]], layout))
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], elem)
+        descs.append(TensorDescriptor(t, shape, strides, [rows, cols], layout))
     consumers = block_m // 64
     # 2 consumers: 12 warps (the loader's warpgroup padded) x 168 registers = 240 per consumer thread, 24 for
     # the loader; 3 consumers: 16 warps x 128, 160 per worker consumer
