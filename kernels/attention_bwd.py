@@ -9,7 +9,8 @@ block), so a block's gradients are its exact share of the full attention's gradi
 Both split their loops like the forward: tiles entirely inside the causal boundary run unmasked; only
 the boundary tiles mask; invisible tiles are never visited. Rows whose lse is -inf (they see no key
 anywhere) get P = 0 by treating their lse as +inf. Results are added into float32 accumulators.
-On sm_90 GPUs, bf16/fp16 blocks of head dim 64 or 128 take the Gluon dk/dv kernel of
+On sm_90 GPUs, bf16/fp16 blocks of head dim 64 or 128 (softcap included; V with Q/K's head dim) take the
+Gluon dk/dv kernel of
 `attention_bwd_hopper` (same contract and numerics, interval masks included); dq stays this module's kernel.
 Interval masks: the dq kernel walks `key_lo`/`key_hi` as the forward does, the dk/dv kernel the inverse
 intervals `query_lo`/`query_hi` (the queries that see each key) the same way; rows (keys) that see
@@ -476,7 +477,7 @@ def _backward_impl(
             fuse = dq_acc is not None and hopper_fuses_dq(dq_acc, dk_acc, dv_acc)
             hopper_dkdv(dout, q, k, v, lse, delta, dk_acc, dv_acc, qk_scale=qk_scale, dk_scale=dk_scale,
                         causal=causal, offset=offset, query_lo=query_lo, query_hi=query_hi,
-                        dq_acc=dq_acc if fuse else None, dq_scale=dq_scale)
+                        dq_acc=dq_acc if fuse else None, dq_scale=dq_scale, softcap=softcap)
             if fuse:
                 return
         else:
