@@ -159,9 +159,54 @@ def _compile_calls(shapes, sweep: bool, device: str):
     return calls
 
 
+def _coverage_compile_calls(device: str):
+    """Issue 54's kernels (softcap 30, d_qk 192 / d_v 128): the portable forward and backward at their first
+    configs, and the Hopper forward and dk/dv kernels (`--aot --coverage`)."""
+    from ringlse.kernels import attention_bwd as B
+    from ringlse.kernels import attention_fwd as F
+
+    calls = []
+    s, h = 8192, 32
+    for d, dv, cap in ((128, 128, 30.0), (192, 128, 0.0), (192, 128, 30.0)):
+        q = torch.empty(1, s, h, d, dtype=torch.bfloat16, device=device)
+        v = torch.empty(1, s, h, dv, dtype=torch.bfloat16, device=device)
+        lse = torch.empty(1, h, s, dtype=torch.float32, device=device)
+        acc = torch.empty(1, s, h, dv, dtype=torch.float32, device=device)
+        dq = torch.empty(1, s, h, d, dtype=torch.float32, device=device)
+        for causal in (False, True):
+            tag = f"{s} d{d}/{dv} softcap={cap:g} causal={causal:d}"
+            fcfg = F.fwd_configs(max(d, dv), q.dtype, causal)[0]
+            bcfg = B.bwd_configs(max(d, dv), q.dtype, causal)[0]
+            calls.append((f"fwd {tag} {fcfg}", lambda q=q, v=v, o=acc.to(q.dtype), lse=lse, cfg=fcfg, c=causal, cap=cap:
+                          F._forward_impl(q, q, v, o, lse, softmax_scale=0.1, causal=c, offset=0, accum=False,
+                                          config=cfg, softcap=cap)))
+            calls.append((f"bwd {tag} {bcfg}", lambda q=q, v=v, lse=lse, acc=acc, dq=dq, cfg=bcfg, c=causal, cap=cap:
+                          B._backward_impl(v, q, q, v, lse, lse, dq, dq, acc, qk_scale=0.1, dq_scale=0.1, dk_scale=0.1,
+                                           causal=c, offset=0, config=cfg, softcap=cap)))
+            if F.hopper_forward is not None:
+                from ringlse.kernels import attention_bwd_hopper as BH
+                from ringlse.kernels import attention_fwd_hopper as FH
+
+                FH.sm_count = lambda index: 132  # (no GPU to ask: an H100's)
+                for accum in (False, True):
+                    calls.append((f"hopper fwd {tag} accum={accum:d}",
+                                  lambda q=q, v=v, lse=lse, o=acc if accum else acc.to(q.dtype), c=causal, cap=cap,
+                                  a=accum: FH.hopper_forward(q, q, v, o, lse, softmax_scale=0.1, causal=c, offset=0,
+                                                             accum=a, softcap=cap)))
+                if d == dv:
+                    calls.append((f"hopper dkdv+dq {tag}", lambda q=q, lse=lse, dq=dq, c=causal, cap=cap: BH.hopper_dkdv(
+                        q, q, q, q, lse, lse, dq, dq.clone(), qk_scale=0.1, dk_scale=0.1, causal=c, offset=0,
+                        dq_acc=dq.clone(), dq_scale=0.1, softcap=cap)))
+    return calls
+
+
 def run_aot(args) -> None:
     compiled = _install_fake_driver()
-    calls = _compile_calls(SWEEP_SHAPES if args.sweep else (QUICK_SHAPES if args.quick else FULL_SHAPES), args.sweep, "cpu")
+    if args.coverage_only:
+        calls = _coverage_compile_calls("cpu")
+    else:
+        calls = _compile_calls(SWEEP_SHAPES if args.sweep else (QUICK_SHAPES if args.quick else FULL_SHAPES), args.sweep,
+                               "cpu") + (_coverage_compile_calls("cpu") if args.coverage else [])
     seen = set()
     for name, thunk in calls:
         n0 = len(compiled)

@@ -43,6 +43,7 @@ from ringlse.kernels.attention_common import (
     query_tile_key_range,
     set_tuned_bwd_config,
     softcap_mode,
+    softcap_grad,
     softcap_scores,
     tile_visible,
 )
@@ -125,8 +126,7 @@ def _dkdv_tiles(
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         st = tl.dot(k, qt, input_precision=DOT_PREC)
         if SOFTCAP:
-            st, tt = softcap_scores(st, qk_scale, softcap, SOFTCAP)
-            pt = tl.math.exp2(st - lse2[None, :])
+            pt = tl.math.exp2(softcap_scores(st, qk_scale, softcap, SOFTCAP) - lse2[None, :])
         else:
             pt = tl.math.exp2(st * qk_scale - lse2[None, :])
         if MASKED:
@@ -140,7 +140,7 @@ def _dkdv_tiles(
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         dst = pt * (dpt - delta[None, :])
         if SOFTCAP:
-            dst = dst * (1.0 - tt * tt)
+            dst = softcap_grad(dst, pt, lse2[None, :], softcap)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PREC)
         if not JUMP:
             q_ptrs += BLOCK_M * stride_qm
@@ -284,8 +284,7 @@ def _dq_tiles(
                 vt = tl.load(vt_ptrs)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         if SOFTCAP:
-            s, t = softcap_scores(s, qk_scale, softcap, SOFTCAP)
-            p = tl.math.exp2(s - lse2[:, None])
+            p = tl.math.exp2(softcap_scores(s, qk_scale, softcap, SOFTCAP) - lse2[:, None])
         else:
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
@@ -293,7 +292,7 @@ def _dq_tiles(
         dp = tl.dot(do, vt, input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
-            ds = ds * (1.0 - t * t)
+            ds = softcap_grad(ds, p, lse2[:, None], softcap)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
         if not JUMP:
             k_ptrs += BLOCK_N * stride_kn

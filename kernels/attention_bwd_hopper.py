@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ringlse.kernels.attention_common import key_tile_query_range, softcap_mode, softcap_scores
+from ringlse.kernels.attention_common import key_tile_query_range, softcap_grad, softcap_mode, softcap_scores
 from ringlse.kernels.attention_fwd_hopper import interval_walk, tma_rows_apply
 from ringlse.kernels.hopper_ops import pass_turn, tma_add, tma_add_from_smem, wait_turn
 from ringlse.kernels.host import rows_view, tma_indexable
@@ -293,8 +293,7 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
             # P^T while dP^T is still on the tensor cores
             st, _, _ = warpgroup_mma_wait(1, deps=[st, k_rows, q_buf])
             if SOFTCAP:
-                st, _ = softcap_scores(st, qk_scale, softcap, SOFTCAP)
-                pt = gl.exp2(st - lse2[None, :])
+                pt = gl.exp2(softcap_scores(st, qk_scale, softcap, SOFTCAP) - lse2[None, :])
             else:
                 pt = gl.exp2(st * qk_scale - lse2[None, :])
             if CAUSAL:
@@ -308,11 +307,7 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
             dpt, _, _ = warpgroup_mma_wait(1, deps=[dpt, v_rows, do_buf])
             dst = pt * dpt
             if SOFTCAP:
-                # tanh again from P itself: P = 2^(softcap * log2(e) * tanh - lse2), so no tile of tanh is held
-                # through the MMA waits (held, ptxas spilled 140-216 B at head dim 128); where P is 0, so is
-                # dS^T (the floor only keeps log2 finite)
-                tt = (gl.log2(gl.maximum(pt, 1e-30)) + lse2[None, :]) * (1.0 / (softcap * 1.4426950408889634))
-                dst = dst * (1.0 - tt * tt)
+                dst = softcap_grad(dst, pt, lse2[None, :], softcap)
             if FUSED:
                 # this warpgroup's half of dS^T to its slot of the step's pair (the dQ warpgroup of two
                 # steps ago has read it)

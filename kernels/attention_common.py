@@ -106,10 +106,19 @@ def tanh_f32(x, SOFTCAP: tl.constexpr):
 @triton.jit
 def softcap_scores(s, qk_scale, softcap, SOFTCAP: tl.constexpr):
     """Capped scores in base 2 from raw dots `s` (`qk_scale` = scale * log2(e)): `softcap * tanh(scale * s /
-    softcap) * log2(e)`, the cap applied at natural scale as issue 54 defines it, and `t = tanh(...)`,
-    whose `1 - t**2` the backward multiplies into dS."""
-    t = tanh_f32(s * (qk_scale / (softcap * 1.4426950408889634)), SOFTCAP)
-    return t * (softcap * 1.4426950408889634), t
+    softcap) * log2(e)`, the cap applied at natural scale as issue 54 defines it."""
+    return tanh_f32(s * (qk_scale / (softcap * 1.4426950408889634)), SOFTCAP) * (softcap * 1.4426950408889634)
+
+
+@triton.jit
+def softcap_grad(ds, p, lse2, softcap):
+    """dS through the cap, `ds * (1 - tanh**2)`, with tanh recovered from P itself (`P = 2^(softcap * log2(e)
+    * tanh - lse2)`, `lse2` broadcast like P): no tile of tanh is held from P to dS (held, the Hopper dk/dv
+    kernel spilled 140-216 B at head dim 128). Where P is 0 (masked, or lse2 = +inf), so is `ds`: the floor
+    and the clamp to [-1, 1] keep the factor finite there."""
+    t = (tl.math.log2(tl.maximum(p, 1e-30)) + lse2) * (1.0 / (softcap * 1.4426950408889634))
+    t = tl.minimum(tl.maximum(t, -1.0), 1.0)
+    return ds * (1.0 - t * t)
 
 
 @triton.jit

@@ -109,7 +109,7 @@ def _fwd_tiles(
             kt = tl.load(kt_ptrs)
         qk = tl.dot(q, kt, input_precision=DOT_PREC)
         if SOFTCAP:
-            qk, _ = softcap_scores(qk, qk_scale, softcap, SOFTCAP)
+            qk = softcap_scores(qk, qk_scale, softcap, SOFTCAP)
         visible = tile_visible(offs_m, offs_n, n_ok, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS) if MASKED else None
         p, m_new, alpha = softmax_step(qk, m_i, step_scale, visible, MASKED, False)
         l_i = l_i * alpha + tl.sum(p, 1)

@@ -221,3 +221,23 @@ def test_gpu_bf16_block(dims, softcap, mask_kind):
 @pytest.mark.parametrize("dims,softcap", [((128, 128), 30.0), ((192, 128), 0.0), ((192, 128), 5.0)])
 def test_gpu_bf16_merge(dims, softcap):
     test_merge_two_blocks(dims, softcap, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_kernels_take_these_cases():
+    """On sm_90 the bf16 cases above run the Gluon kernels (so those tests judge them): the forward with a
+    softcap and with Q/K 192 / V 128, the dk/dv kernel with a softcap; V's own head dim in the backward
+    stays with the portable kernels."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are built for sm_90")
+    from ringlse.kernels.attention_bwd_hopper import hopper_dkdv_applies
+    from ringlse.kernels.attention_fwd_hopper import hopper_forward_applies
+
+    q = torch.empty(1, 128, 4, 128, device="cuda", dtype=torch.bfloat16)
+    q192 = torch.empty(1, 128, 4, 192, device="cuda", dtype=torch.bfloat16)
+    q64 = torch.empty(1, 128, 4, 64, device="cuda", dtype=torch.bfloat16)
+    assert hopper_forward_applies(q, q, q, softcap=30.0)
+    assert hopper_forward_applies(q192, q192, q) and hopper_forward_applies(q192, q192, q, softcap=30.0)
+    assert hopper_forward_applies(q, q, q64, softcap=30.0)
+    assert hopper_dkdv_applies(q, q, q, q, softcap=30.0) and hopper_dkdv_applies(q64, q64, q64, q64, softcap=5.0)
+    assert not hopper_dkdv_applies(q192, q192, q, q) and not hopper_dkdv_applies(q, q, q64, q64)
