@@ -194,9 +194,10 @@ def _coverage_compile_calls(device: str):
                                   a=accum: FH.hopper_forward(q, q, v, o, lse, softmax_scale=0.1, causal=c, offset=0,
                                                              accum=a, softcap=cap)))
                 if d == dv:
-                    calls.append((f"hopper dkdv+dq {tag}", lambda q=q, lse=lse, dq=dq, c=causal, cap=cap: BH.hopper_dkdv(
-                        q, q, q, q, lse, lse, dq, dq.clone(), qk_scale=0.1, dk_scale=0.1, causal=c, offset=0,
-                        dq_acc=dq.clone(), dq_scale=0.1, softcap=cap)))
+                    calls.append((f"hopper dkdv+dq {tag}",
+                                  lambda q=q, lse=lse, dq=dq, c=causal, cap=cap: BH.hopper_dkdv(
+                                      q, q, q, q, lse, lse, dq, dq.clone(), qk_scale=0.1, dk_scale=0.1, causal=c,
+                                      offset=0, dq_acc=dq.clone(), dq_scale=0.1, softcap=cap)))
     return calls
 
 
@@ -205,8 +206,8 @@ def run_aot(args) -> None:
     if args.coverage_only:
         calls = _coverage_compile_calls("cpu")
     else:
-        calls = _compile_calls(SWEEP_SHAPES if args.sweep else (QUICK_SHAPES if args.quick else FULL_SHAPES), args.sweep,
-                               "cpu") + (_coverage_compile_calls("cpu") if args.coverage else [])
+        shapes = SWEEP_SHAPES if args.sweep else (QUICK_SHAPES if args.quick else FULL_SHAPES)
+        calls = _compile_calls(shapes, args.sweep, "cpu") + (_coverage_compile_calls("cpu") if args.coverage else [])
     seen = set()
     for name, thunk in calls:
         n0 = len(compiled)

@@ -248,9 +248,9 @@ def _dq_tiles(
     SOFTCAP: tl.constexpr, row_lo=None, row_hi=None, gap_lo=0, gap=0, INTERVALS: tl.constexpr = False,
 ):
     """Accumulate key tiles `[lo, hi)` into this query tile's dq. `k_ptrs` is a `[BLOCK_N, BLOCK_D]`
-    tile at key 0 and `v_ptrs` a `[BLOCK_DV, BLOCK_N]` (transposed) one; SOFTCAP as in `_dkdv_tiles`. With INTERVALS, masked tiles
-    keep the keys `[row_lo, row_hi)` of each row (`row_hi <= SK`) instead of the causal rule, and the
-    masked walk jumps over `gap` keys at `gap_lo` (see `_fwd_tiles`)."""
+    tile at key 0 and `v_ptrs` a `[BLOCK_DV, BLOCK_N]` (transposed) one; SOFTCAP as in `_dkdv_tiles`.
+    With INTERVALS, masked tiles keep the keys `[row_lo, row_hi)` of each row (`row_hi <= SK`) instead of
+    the causal rule, and the masked walk jumps over `gap` keys at `gap_lo` (see `_fwd_tiles`)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
@@ -558,9 +558,9 @@ def attention_backward(
         lse: `[b, h, sq]` float32, the *global* lse (natural log); rows with `-inf` contribute 0.
         delta: `[b, h, sq]` float32, `rowsum(dout * out)` (minus any lse gradient).
         softmax_scale, causal, q_start, k_start, softcap: as in `attention_forward` (with a cap, dS is
-            multiplied by its derivative `1 - tanh**2`, recomputed from q.k).
-        dq_acc: float32 `[b, sq, h, d]`; dk_acc `[b, sk, hkv, d]`, dv_acc `[b, sk, hkv, d_v]`, float32 (views allowed, last
-            dim contiguous); this block's gradients are added in place. `dq_acc=None` skips the dq
+            multiplied by its derivative `1 - tanh**2`, recomputed from q.k and the lse; nothing is stored).
+        dq_acc: float32 `[b, sq, h, d]`; dk_acc `[b, sk, hkv, d]`, dv_acc `[b, sk, hkv, d_v]`, float32
+            (views allowed, last dim contiguous); this block's gradients are added in place. `dq_acc=None` skips the dq
             kernel, `dk_acc=dv_acc=None` the dk/dv kernel (a caller that sends dk/dv in pieces of
             keys computes dq once over all of them).
         lse_grad: unused: the block-op contract has it folded into `delta` already.

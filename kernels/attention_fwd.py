@@ -75,9 +75,9 @@ def _fwd_tiles(
 ):
     """Online softmax over key tiles `[lo, hi)`; `k_ptrs` is a `[BLOCK_D, BLOCK_N]` (transposed) tile
     at key 0, `v_ptrs` a `[BLOCK_N, BLOCK_DV]` tile at key 0. With SOFTCAP the scores are capped
-    (`softcap_scores`) before the softmax, which then takes them as base-2 scores. With INTERVALS, masked tiles keep the keys
-    `[row_lo, row_hi)` of each row (`row_hi <= SK`) instead of the causal rule, and the masked walk
-    jumps over `gap` keys at `gap_lo` (the unmasked tiles in the middle): one masked loop serves both
+    (`softcap_scores`) before the softmax, which then takes them as base-2 scores. With INTERVALS,
+    masked tiles keep the keys `[row_lo, row_hi)` of each row (`row_hi <= SK`) instead of the causal
+    rule, and the masked walk jumps over `gap` keys at `gap_lo` (the unmasked tiles in the middle): one masked loop serves both
     ends (two masked loops took ~30 more registers per thread at d=64: ptxas, sm_90)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_D
@@ -197,8 +197,8 @@ def _attn_fwd_kernel(
         # both masked ends in one loop: [n_lo, n_full_lo), then a jump over the unmasked tiles
         gap = n_full_hi - n_full_lo
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, offs_dv, n_lo, n_hi - gap, SK, OFFSET,
-            qk_scale, softcap, BLOCK_N, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, False, True, DOT_PREC, SOFTCAP,
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, offs_dv, n_lo, n_hi - gap, SK,
+            OFFSET, qk_scale, softcap, BLOCK_N, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, False, True, DOT_PREC, SOFTCAP,
             row_lo, row_hi, n_full_lo, gap, True,
         )
         # rows that see no key of this block: the empty state (-inf, 0, 0), whatever they computed
