@@ -126,7 +126,8 @@ def _dkdv_tiles(
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         st = tl.dot(k, qt, input_precision=DOT_PREC)
         if SOFTCAP:
-            pt = tl.math.exp2(softcap_scores(st, qk_scale, softcap, SOFTCAP) - lse2[None, :])
+            tt, cap_scale = softcap_scores(st, qk_scale, softcap, SOFTCAP)
+            pt = tl.math.exp2(tt * cap_scale - lse2[None, :])
         else:
             pt = tl.math.exp2(st * qk_scale - lse2[None, :])
         if MASKED:
@@ -284,7 +285,8 @@ def _dq_tiles(
                 vt = tl.load(vt_ptrs)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         if SOFTCAP:
-            p = tl.math.exp2(softcap_scores(s, qk_scale, softcap, SOFTCAP) - lse2[:, None])
+            t, cap_scale = softcap_scores(s, qk_scale, softcap, SOFTCAP)
+            p = tl.math.exp2(t * cap_scale - lse2[:, None])
         else:
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASKED:

@@ -293,7 +293,8 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
             # P^T while dP^T is still on the tensor cores
             st, _, _ = warpgroup_mma_wait(1, deps=[st, k_rows, q_buf])
             if SOFTCAP:
-                pt = gl.exp2(softcap_scores(st, qk_scale, softcap, SOFTCAP) - lse2[None, :])
+                tt, cap_scale = softcap_scores(st, qk_scale, softcap, SOFTCAP)
+                pt = gl.exp2(tt * cap_scale - lse2[None, :])
             else:
                 pt = gl.exp2(st * qk_scale - lse2[None, :])
             if CAUSAL:

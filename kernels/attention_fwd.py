@@ -75,7 +75,7 @@ def _fwd_tiles(
 ):
     """Online softmax over key tiles `[lo, hi)`; `k_ptrs` is a `[BLOCK_D, BLOCK_N]` (transposed) tile
     at key 0, `v_ptrs` a `[BLOCK_N, BLOCK_DV]` tile at key 0. With SOFTCAP the scores are capped
-    (`softcap_scores`) before the softmax, which then takes them as base-2 scores. With INTERVALS,
+    (`softcap_scores`) before the softmax, which scales them by the cap's scale. With INTERVALS,
     masked tiles keep the keys `[row_lo, row_hi)` of each row (`row_hi <= SK`) instead of the causal
     rule, and the masked walk jumps over `gap` keys at `gap_lo` (the unmasked tiles in the middle): one masked loop serves both
     ends (two masked loops took ~30 more registers per thread at d=64: ptxas, sm_90)."""
@@ -83,10 +83,6 @@ def _fwd_tiles(
     d_ok = offs_d < HEAD_D
     dv_ok = offs_dv < HEAD_DV
     JUMP: tl.constexpr = INTERVALS and MASKED
-    if SOFTCAP:
-        step_scale = 1.0
-    else:
-        step_scale = qk_scale
     if not JUMP:
         k_ptrs += lo * stride_kn
         v_ptrs += lo * stride_vn
@@ -109,7 +105,9 @@ def _fwd_tiles(
             kt = tl.load(kt_ptrs)
         qk = tl.dot(q, kt, input_precision=DOT_PREC)
         if SOFTCAP:
-            qk = softcap_scores(qk, qk_scale, softcap, SOFTCAP)
+            qk, step_scale = softcap_scores(qk, qk_scale, softcap, SOFTCAP)
+        else:
+            step_scale = qk_scale
         visible = tile_visible(offs_m, offs_n, n_ok, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS) if MASKED else None
         p, m_new, alpha = softmax_step(qk, m_i, step_scale, visible, MASKED, False)
         l_i = l_i * alpha + tl.sum(p, 1)

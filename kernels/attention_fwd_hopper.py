@@ -236,8 +236,7 @@ def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, 
     """One key tile's online-softmax step in base 2: `(p, m_new, l_new, alpha)`; the tile is masked unless
     it lies inside `[full_lo, full_hi)`. SOFTCAP caps the scores first (`softcap_scores`)."""
     if SOFTCAP:
-        qk = softcap_scores(qk, qk_scale, softcap, SOFTCAP)
-        qk_scale = 1.0
+        qk, qk_scale = softcap_scores(qk, qk_scale, softcap, SOFTCAP)
     if (start_n < full_lo) | (start_n + qk.shape[1] > full_hi):
         offs_n = start_n + offs_n0
         visible = tile_visible(offs_m, offs_n, offs_n < SK, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS)
