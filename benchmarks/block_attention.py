@@ -4,7 +4,7 @@ Usage (on a GPU):
     python benchmarks/block_attention.py [--quick] [--out DIR]      # table + results JSON
     python benchmarks/block_attention.py --sweep                     # time candidate tile configs
     python benchmarks/block_attention.py --precompile N [--sweep]    # compile in N processes first
-    python benchmarks/block_attention.py --coverage-only [--softcap 30]  # issue 54: softcap on/off, d 192/128 vs FA4
+    python benchmarks/block_attention.py --coverage-only [--softcap 30]  # softcap on/off, d 192/128 vs FA4
 Without a GPU:
     python benchmarks/block_attention.py --aot [--sweep]   # compile for sm_90 here; ptxas registers/spills
 
@@ -160,7 +160,7 @@ def _compile_calls(shapes, sweep: bool, device: str):
 
 
 def _coverage_compile_calls(device: str):
-    """Issue 54's kernels (softcap 30, d_qk 192 / d_v 128): the portable forward and backward at their first
+    """The model-coverage kernels (softcap 30, d_qk 192 / d_v 128): the portable forward and backward at their first
     configs, and the Hopper forward and dk/dv kernels (`--aot --coverage`)."""
     from ringlse.kernels import attention_bwd as B
     from ringlse.kernels import attention_fwd as F
@@ -520,7 +520,7 @@ def _forward_kernel_name(d: int, hkv: int) -> str:
     return "gluon-hopper" if ok else "triton"
 
 
-# issue 54 (model coverage): (batch, heads, seqlen), bf16, causal and not
+# model coverage (softcap, V head dim of its own): (batch, heads, seqlen), bf16, causal and not
 COVERAGE_SHAPES = [(1, 32, 8192), (1, 32, 32768)]
 
 
@@ -580,7 +580,7 @@ def _coverage_fns(b, h, s, d, dv, causal, softcap):
 
 
 def coverage_rows(softcap: float) -> list[dict]:
-    """Issue 54's speed bars: (1) our time with `softcap` over our time without (d 128; bar <= 1.10x, fwd
+    """The model-coverage speed bars: (1) our time with `softcap` over our time without (d 128; bar <= 1.10x, fwd
     and fwd+bwd; the two launched interleaved, `timing.interleaved_ms`, as A/B of one kernel), FA4's
     alongside; (2) d_qk 192 / d_v 128 against FA4 (forward bar >= 0.9x its TFLOP/s; different kernels:
     `timing.abba_ms`)."""
@@ -711,7 +711,7 @@ def main() -> None:
     p.add_argument("--precompile", type=int, default=0, metavar="N", help="compile in N processes first")
     p.add_argument("--skip-bench", action="store_true", help="only precompile")
     p.add_argument("--coverage", action="store_true",
-                   help="also time issue 54's rows: softcap on vs off, d_qk 192 / d_v 128 vs FA4 (coverage_rows)")
+                   help="also time the model-coverage rows: softcap on vs off, d_qk 192 / d_v 128 vs FA4 (coverage_rows)")
     p.add_argument("--coverage-only", action="store_true", help="only the --coverage rows")
     p.add_argument("--softcap", type=float, default=30.0, help="the cap the coverage rows time (Gemma 2's 30)")
     args = p.parse_args()

@@ -1,4 +1,4 @@
-"""Issue 54 in the kernels: logit softcapping and a V head dim of its own, through the kernel launchers.
+"""Model coverage in the kernels: logit softcapping and a V head dim of its own, through the kernel launchers.
 
 The oracle is written here (float64 PyTorch, autograd for the gradients): scores `scale * q.k`, capped as
 `softcap * tanh(s / softcap)`, masked, softmax with the lse over the capped scores; rows that see no key
