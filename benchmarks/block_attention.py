@@ -4,6 +4,7 @@ Usage (on a GPU):
     python benchmarks/block_attention.py [--quick] [--out DIR]      # table + results JSON
     python benchmarks/block_attention.py --sweep                     # time candidate tile configs
     python benchmarks/block_attention.py --precompile N [--sweep]    # compile in N processes first
+    python benchmarks/block_attention.py --coverage-only [--softcap 30]  # softcap on/off, d 192/128 vs FA4
 Without a GPU:
     python benchmarks/block_attention.py --aot [--sweep]   # compile for sm_90 here; ptxas registers/spills
 
@@ -158,9 +159,55 @@ def _compile_calls(shapes, sweep: bool, device: str):
     return calls
 
 
+def _coverage_compile_calls(device: str):
+    """The model-coverage kernels (softcap 30, d_qk 192 / d_v 128): the portable forward and backward at their first
+    configs, and the Hopper forward and dk/dv kernels (`--aot --coverage`)."""
+    from ringlse.kernels import attention_bwd as B
+    from ringlse.kernels import attention_fwd as F
+
+    calls = []
+    s, h = 8192, 32
+    for d, dv, cap in ((128, 128, 30.0), (192, 128, 0.0), (192, 128, 30.0)):
+        q = torch.empty(1, s, h, d, dtype=torch.bfloat16, device=device)
+        v = torch.empty(1, s, h, dv, dtype=torch.bfloat16, device=device)
+        lse = torch.empty(1, h, s, dtype=torch.float32, device=device)
+        acc = torch.empty(1, s, h, dv, dtype=torch.float32, device=device)
+        dq = torch.empty(1, s, h, d, dtype=torch.float32, device=device)
+        for causal in (False, True):
+            tag = f"{s} d{d}/{dv} softcap={cap:g} causal={causal:d}"
+            fcfg = F.fwd_configs(max(d, dv), q.dtype, causal)[0]
+            bcfg = B.bwd_configs(max(d, dv), q.dtype, causal)[0]
+            calls.append((f"fwd {tag} {fcfg}", lambda q=q, v=v, o=acc.to(q.dtype), lse=lse, cfg=fcfg, c=causal, cap=cap:
+                          F._forward_impl(q, q, v, o, lse, softmax_scale=0.1, causal=c, offset=0, accum=False,
+                                          config=cfg, softcap=cap)))
+            calls.append((f"bwd {tag} {bcfg}", lambda q=q, v=v, lse=lse, acc=acc, dq=dq, cfg=bcfg, c=causal, cap=cap:
+                          B._backward_impl(v, q, q, v, lse, lse, dq, dq, acc, qk_scale=0.1, dq_scale=0.1, dk_scale=0.1,
+                                           causal=c, offset=0, config=cfg, softcap=cap)))
+            if F.hopper_forward is not None:
+                from ringlse.kernels import attention_bwd_hopper as BH
+                from ringlse.kernels import attention_fwd_hopper as FH
+
+                FH.sm_count = lambda index: 132  # (no GPU to ask: an H100's)
+                for accum in (False, True):
+                    calls.append((f"hopper fwd {tag} accum={accum:d}",
+                                  lambda q=q, v=v, lse=lse, o=acc if accum else acc.to(q.dtype), c=causal, cap=cap,
+                                  a=accum: FH.hopper_forward(q, q, v, o, lse, softmax_scale=0.1, causal=c, offset=0,
+                                                             accum=a, softcap=cap)))
+                if d == dv:
+                    calls.append((f"hopper dkdv+dq {tag}",
+                                  lambda q=q, lse=lse, dq=dq, c=causal, cap=cap: BH.hopper_dkdv(
+                                      q, q, q, q, lse, lse, dq, dq.clone(), qk_scale=0.1, dk_scale=0.1, causal=c,
+                                      offset=0, dq_acc=dq.clone(), dq_scale=0.1, softcap=cap)))
+    return calls
+
+
 def run_aot(args) -> None:
     compiled = _install_fake_driver()
-    calls = _compile_calls(SWEEP_SHAPES if args.sweep else (QUICK_SHAPES if args.quick else FULL_SHAPES), args.sweep, "cpu")
+    if args.coverage_only:
+        calls = _coverage_compile_calls("cpu")
+    else:
+        shapes = SWEEP_SHAPES if args.sweep else (QUICK_SHAPES if args.quick else FULL_SHAPES)
+        calls = _compile_calls(shapes, args.sweep, "cpu") + (_coverage_compile_calls("cpu") if args.coverage else [])
     seen = set()
     for name, thunk in calls:
         n0 = len(compiled)
@@ -325,7 +372,8 @@ def time_kernel_split(b, h, s, d, causal, bwd_cfg, dtype=torch.bfloat16):
     grid_kv = (triton.cdiv(s, bwd_cfg.kv_block_n), b * h)
     grid_q = (triton.cdiv(s, bwd_cfg.q_block_m), b * h)
     bd = F.block_d(d)
-    common = dict(HEAD_D=d, BLOCK_D=bd, CAUSAL=causal, DOT_PREC=F.dot_precision(dtype))
+    common = dict(HEAD_D=d, BLOCK_D=bd, CAUSAL=causal, DOT_PREC=F.dot_precision(dtype), INTERVALS=False, softcap=0.0,
+                  HEAD_DV=d, BLOCK_DV=bd, SOFTCAP=0)
 
     def dkdv():
         B._attn_bwd_dkdv_kernel[grid_kv](
@@ -333,7 +381,7 @@ def time_kernel_split(b, h, s, d, causal, bwd_cfg, dtype=torch.bfloat16):
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2), h, 1, s, s, 0, scale * F.LOG2E, scale,
+            dv.stride(0), dv.stride(1), dv.stride(2), h, 1, s, s, 0, scale * F.LOG2E, scale, None, None,
             BLOCK_M=bwd_cfg.kv_block_m, BLOCK_N=bwd_cfg.kv_block_n, num_warps=bwd_cfg.kv_warps,
             num_stages=bwd_cfg.kv_stages, **common)
 
@@ -343,7 +391,7 @@ def time_kernel_split(b, h, s, d, causal, bwd_cfg, dtype=torch.bfloat16):
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-            h, 1, s, s, 0, scale * F.LOG2E, scale,
+            h, 1, s, s, 0, scale * F.LOG2E, scale, None, None,
             BLOCK_M=bwd_cfg.q_block_m, BLOCK_N=bwd_cfg.q_block_n, num_warps=bwd_cfg.q_warps,
             num_stages=bwd_cfg.q_stages, **common)
 
@@ -472,11 +520,119 @@ def _forward_kernel_name(d: int, hkv: int) -> str:
     return "gluon-hopper" if ok else "triton"
 
 
+# model coverage (softcap, V head dim of its own): (batch, heads, seqlen), bf16, causal and not
+COVERAGE_SHAPES = [(1, 32, 8192), (1, 32, 32768)]
+
+
+def coverage_flops(b, h, s, d, dv, causal) -> tuple[float, float]:
+    """Forward and backward FLOPs with V's own head dim: QK^T at d and PV at d_v forward; backward
+    QK^T, dQ, dK at d and dP, dV at d_v (2.5x the forward where they agree, as CONVENTIONS.md §8)."""
+    pairs = b * h * s * s / (2 if causal else 1)
+    return 2 * pairs * (d + dv), 2 * pairs * (3 * d + 2 * dv)
+
+
+def _coverage_fns(b, h, s, d, dv, causal, softcap):
+    """`{name: fn(i)}`: our forward and forward + backward (delta, dk/dv, dq into float32 accumulators) at
+    `softcap`, and FA4's (`flash_attn.cute.flash_attn_func`) where it is installed."""
+    from ringlse.kernels import attention_bwd as B
+    from ringlse.kernels import attention_fwd as F
+
+    n = _n_sets(b, h, s, max(d, dv), torch.bfloat16)
+    gen = [(torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda"),
+            torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda"),
+            torch.randn(b, s, h, dv, dtype=torch.bfloat16, device="cuda"),
+            torch.randn(b, s, h, dv, dtype=torch.bfloat16, device="cuda")) for _ in range(n)]
+    scale = d ** -0.5
+    kw = dict(softmax_scale=scale, causal=causal, q_start=0, k_start=0, softcap=softcap)
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device="cuda") for t in gen[0][:3]]
+
+    def fwd(i):
+        q, k, v, _ = gen[i % n]
+        return F.attention_forward(q, k, v, **kw)
+
+    def fwd_bwd(i):
+        q, k, v, do = gen[i % n]
+        o, lse = F.attention_forward(q, k, v, **kw)
+        B.attention_backward(do, q, k, v, o, lse, B.attention_delta(do, o), **kw, dq_acc=grads[0], dk_acc=grads[1],
+                             dv_acc=grads[2])
+
+    fns = {"ours_fwd": fwd, "ours_fwd_bwd": fwd_bwd}
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return fns
+    leaves = [tuple(t.detach().requires_grad_() for t in st[:3]) + (st[3],) for st in gen]
+
+    def fa4_fwd(i):
+        out = flash_attn_func(*leaves[i % n][:3], softmax_scale=scale, causal=causal, softcap=softcap)
+        return out[0] if isinstance(out, tuple) else out
+
+    def fa4_fwd_bwd(i):
+        torch.autograd.grad(fa4_fwd(i), leaves[i % n][:3], leaves[i % n][3])
+
+    try:
+        fa4_fwd(0)
+        fa4_fwd_bwd(0)
+    except Exception as err:  # FA4 may refuse a head-dim pair or softcap on this GPU: record that
+        print(f"fa4 failed for d{d}/{dv} softcap={softcap}: {type(err).__name__}: {str(err)[:200]}")
+        return fns
+    return {**fns, "fa4_fwd": fa4_fwd, "fa4_fwd_bwd": fa4_fwd_bwd}
+
+
+def coverage_rows(softcap: float) -> list[dict]:
+    """The model-coverage speed bars: (1) our time with `softcap` over our time without (d 128; bar <= 1.10x, fwd
+    and fwd+bwd; the two launched interleaved, `timing.interleaved_ms`, as A/B of one kernel), FA4's
+    alongside; (2) d_qk 192 / d_v 128 against FA4 (forward bar >= 0.9x its TFLOP/s; different kernels:
+    `timing.abba_ms`)."""
+    from timing import abba_ms, interleaved_ms
+
+    rows = []
+    for (b, h, s) in COVERAGE_SHAPES:
+        for causal in (False, True):
+            fl_f, fl_b = coverage_flops(b, h, s, 128, 128, causal)
+            off = _coverage_fns(b, h, s, 128, 128, causal, 0.0)
+            on = _coverage_fns(b, h, s, 128, 128, causal, softcap)
+            row = dict(kind="softcap", batch=b, heads=h, seqlen=s, head_dim=128, d_v=128, causal=causal,
+                       dtype="bfloat16", softcap=softcap, fwd_flop=fl_f, fwd_bwd_flop=fl_f + fl_b)
+            for part in ("fwd", "fwd_bwd"):
+                ms = interleaved_ms({"off": off[f"ours_{part}"], "on": on[f"ours_{part}"]})
+                row[f"ours_{part}_ms_softcap0"], row[f"ours_{part}_ms"] = ms["off"], ms["on"]
+                row[f"ours_{part}_softcap_time_ratio"] = ms["on"] / ms["off"]
+                if f"fa4_{part}" in on:
+                    ms = interleaved_ms({"off": off[f"fa4_{part}"], "on": on[f"fa4_{part}"]})
+                    row[f"fa4_{part}_ms_softcap0"], row[f"fa4_{part}_ms"] = ms["off"], ms["on"]
+                    row[f"fa4_{part}_softcap_time_ratio"] = ms["on"] / ms["off"]
+            rows.append(row)
+            print(f"softcap {softcap} s{s} {'causal' if causal else 'full  '}: ours time on/off fwd "
+                  f"{row['ours_fwd_softcap_time_ratio']:.3f} fwd+bwd {row['ours_fwd_bwd_softcap_time_ratio']:.3f}"
+                  + (f" | fa4 fwd {row['fa4_fwd_softcap_time_ratio']:.3f}" if "fa4_fwd_ms" in row else ""), flush=True)
+            del off, on
+            fl_f, fl_b = coverage_flops(b, h, s, 192, 128, causal)
+            fns = _coverage_fns(b, h, s, 192, 128, causal, 0.0)
+            ms = {k: sum(v) / len(v) for k, v in abba_ms({k: (lambda f=f: f(0)) for k, f in fns.items()},
+                                                          warmup_ms=500, preheat_s=2.0).items()}
+            row = dict(kind="d_v", batch=b, heads=h, seqlen=s, head_dim=192, d_v=128, causal=causal,
+                       dtype="bfloat16", softcap=0.0, fwd_flop=fl_f, fwd_bwd_flop=fl_f + fl_b)
+            for name, t in ms.items():
+                row[f"{name}_ms"] = t
+                row[f"{name}_tflops"] = (fl_f if name.endswith("_fwd") else fl_f + fl_b) / t / 1e9
+            if "fa4_fwd" in ms:
+                row["fwd_tflops_ratio_vs_fa4"] = ms["fa4_fwd"] / ms["ours_fwd"]
+                row["fwd_bwd_tflops_ratio_vs_fa4"] = ms["fa4_fwd_bwd"] / ms["ours_fwd_bwd"]
+            rows.append(row)
+            print(f"d192/128 s{s} {'causal' if causal else 'full  '}: ours fwd {row['ours_fwd_tflops']:.0f} "
+                  f"fwd+bwd {row['ours_fwd_bwd_tflops']:.0f} TFLOP/s"
+                  + (f" | fa4 fwd {row['fa4_fwd_tflops']:.0f} fwd+bwd {row['fa4_fwd_bwd_tflops']:.0f} "
+                     f"(ours/fa4 fwd {row['fwd_tflops_ratio_vs_fa4']:.2f})" if "fa4_fwd" in ms else ""), flush=True)
+            del fns
+    return rows
+
+
 def run_bench(args) -> None:
     import triton
     from torch.nn.attention import SDPBackend
 
-    shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+    shapes = [] if args.coverage_only else (QUICK_SHAPES if args.quick else FULL_SHAPES)
     gpu = torch.cuda.get_device_name(0)
     rows = []
     for (b, h, s, d, hkv) in shapes:
@@ -526,6 +682,7 @@ def run_bench(args) -> None:
         configs={str(d): dict(fwd={str(c): asdict(F.fwd_configs(d, torch.bfloat16, c)[0]) for c in (False, True)},
                               bwd={str(c): asdict(B.bwd_configs(d, torch.bfloat16, c)[0]) for c in (False, True)})
                  for d in sorted({s[3] for s in shapes})},
+        coverage_rows=coverage_rows(args.softcap) if args.coverage or args.coverage_only else [],
         hopper_configs={f"d{d} {'causal' if c else 'full'}": asdict(cfg) for (d, c), cfg in _hopper_configs().items()},
         peer_figures_design_s9=PEER_FIGURES_H200,
         rows=rows,
@@ -553,6 +710,10 @@ def main() -> None:
     p.add_argument("--aot", action="store_true", help="no GPU: compile for sm_90 and print registers/spills")
     p.add_argument("--precompile", type=int, default=0, metavar="N", help="compile in N processes first")
     p.add_argument("--skip-bench", action="store_true", help="only precompile")
+    p.add_argument("--coverage", action="store_true",
+                   help="also time the model-coverage rows: softcap on vs off, d_qk 192 / d_v 128 vs FA4 (coverage_rows)")
+    p.add_argument("--coverage-only", action="store_true", help="only the --coverage rows")
+    p.add_argument("--softcap", type=float, default=30.0, help="the cap the coverage rows time (Gemma 2's 30)")
     args = p.parse_args()
     if args.aot:
         run_aot(args)

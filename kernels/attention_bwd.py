@@ -9,7 +9,8 @@ block), so a block's gradients are its exact share of the full attention's gradi
 Both split their loops like the forward: tiles entirely inside the causal boundary run unmasked; only
 the boundary tiles mask; invisible tiles are never visited. Rows whose lse is -inf (they see no key
 anywhere) get P = 0 by treating their lse as +inf. Results are added into float32 accumulators.
-On sm_90 GPUs, bf16/fp16 blocks of head dim 64 or 128 take the Gluon dk/dv kernel of
+On sm_90 GPUs, bf16/fp16 blocks of head dim 64 or 128 (softcap included; V with Q/K's head dim) take the
+Gluon dk/dv kernel of
 `attention_bwd_hopper` (same contract and numerics, interval masks included); dq stays this module's kernel.
 Interval masks: the dq kernel walks `key_lo`/`key_hi` as the forward does, the dk/dv kernel the inverse
 intervals `query_lo`/`query_hi` (the queries that see each key) the same way; rows (keys) that see
@@ -41,6 +42,9 @@ from ringlse.kernels.attention_common import (
     mask_offset,
     query_tile_key_range,
     set_tuned_bwd_config,
+    softcap_mode,
+    softcap_grad,
+    softcap_scores,
     tile_visible,
 )
 try:  # the Hopper dk/dv kernel is Gluon, which Triton before 3.5 does not have
@@ -86,18 +90,21 @@ def _delta_kernel(
 def _dkdv_tiles(
     dk, dv, k, v,
     q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qm, stride_dom, stride_lm,
-    offs_n, lo, hi, SQ, OFFSET, qk_scale,
-    BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PREC: tl.constexpr, col_lo=None, col_hi=None, gap_lo=0, gap=0, INTERVALS: tl.constexpr = False,
+    offs_n, lo, hi, SQ, OFFSET, qk_scale, softcap,
+    BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr,
+    col_lo=None, col_hi=None, gap_lo=0, gap=0, INTERVALS: tl.constexpr = False,
 ):
     """Accumulate one query head's query tiles `[lo, hi)` into this key tile's dk/dv (transposed
     formulation: `[BLOCK_N, BLOCK_M]` score tiles, so nothing but the loaded tiles gets transposed).
-    `q_ptrs` is a `[BLOCK_D, BLOCK_M]` (transposed) tile at query 0, `do_ptrs` `[BLOCK_M, BLOCK_D]`.
+    `q_ptrs` is a `[BLOCK_D, BLOCK_M]` (transposed) tile at query 0, `do_ptrs` `[BLOCK_M, BLOCK_DV]`.
+    With SOFTCAP, P comes from the capped scores and dS takes the cap's derivative `1 - tanh**2`.
     With INTERVALS, masked tiles keep for each key the queries `[col_lo, col_hi)` that see it instead of
     the causal rule, and the masked walk jumps over `gap` queries at `gap_lo` (see `_fwd_tiles`)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
+    dv_ok = tl.arange(0, BLOCK_DV) < HEAD_DV
     JUMP: tl.constexpr = INTERVALS and MASKED
     if not JUMP:
         q_ptrs += lo * stride_qm
@@ -118,17 +125,23 @@ def _dkdv_tiles(
         lse = tl.load(lse_ptr + offs_m * stride_lm, mask=m_ok, other=float("-inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         st = tl.dot(k, qt, input_precision=DOT_PREC)
-        pt = tl.math.exp2(st * qk_scale - lse2[None, :])
+        if SOFTCAP:
+            tt, cap_scale = softcap_scores(st, qk_scale, softcap, SOFTCAP)
+            pt = tl.math.exp2(tt * cap_scale - lse2[None, :])
+        else:
+            pt = tl.math.exp2(st * qk_scale - lse2[None, :])
         if MASKED:
             if INTERVALS:
                 pt = tl.where((offs_m[None, :] >= col_lo[:, None]) & (offs_m[None, :] < col_hi[:, None]), pt, 0.0)
             else:
                 pt = tl.where(offs_n[:, None] <= offs_m[None, :] + OFFSET, pt, 0.0)
-        do = tl.load(dot_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        do = tl.load(dot_ptrs, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
         delta = tl.load(delta_ptr + offs_m * stride_lm, mask=m_ok, other=0.0)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         dst = pt * (dpt - delta[None, :])
+        if SOFTCAP:
+            dst = softcap_grad(dst, pt, lse2[None, :], softcap)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PREC)
         if not JUMP:
             q_ptrs += BLOCK_M * stride_qm
@@ -146,10 +159,10 @@ def _attn_bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    HKV, GROUP, SQ, SK, OFFSET, qk_scale, dk_scale, QueryLo, QueryHi,
+    HKV, GROUP, SQ, SK, OFFSET, qk_scale, dk_scale, QueryLo, QueryHi, softcap,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    INTERVALS: tl.constexpr,
+    INTERVALS: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Grid `(cdiv(SK, BLOCK_N), B * HKV)`. Delta shares Lse's strides (both `[B, H, SQ]`). With
     INTERVALS (then not CAUSAL), key `j` is seen by the queries `[QueryLo[j], QueryHi[j])` (int32
@@ -161,13 +174,15 @@ def _attn_bwd_dkdv_kernel(
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     kv_mask = (offs_n < SK)[:, None] & (offs_d < HEAD_D)[None, :]
+    v_mask = (offs_n < SK)[:, None] & (offs_dv < HEAD_DV)[None, :]
     k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
                 mask=kv_mask, other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
-                mask=kv_mask, other=0.0)
+    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :],
+                mask=v_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     if INTERVALS:
         # query tiles [m_lo, m_full_lo) and [m_full_hi, m_hi) are masked; every query of the tiles
@@ -182,30 +197,33 @@ def _attn_bwd_dkdv_kernel(
     for g in range(GROUP):
         off_h = off_hk * GROUP + g
         q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m0[None, :] * stride_qs + offs_d[:, None]
-        do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_m0[:, None] * stride_dos + offs_d[None, :]
+        do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_m0[:, None] * stride_dos + offs_dv[None, :]
         lse_ptr = Lse + off_b * stride_lb + off_h * stride_lh
         delta_ptr = Delta + off_b * stride_lb + off_h * stride_lh
         if INTERVALS:
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_ls,
-                offs_n, m_full_lo, m_full_hi, SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, False, DOT_PREC,
-                col_lo, col_hi, 0, 0, True,
+                offs_n, m_full_lo, m_full_hi, SQ, OFFSET, qk_scale, softcap, BLOCK_M, HEAD_D, BLOCK_D, HEAD_DV,
+                BLOCK_DV, False, DOT_PREC, SOFTCAP, col_lo, col_hi, 0, 0, True,
             )
             # both masked ends in one loop, jumping over the unmasked tiles (see the forward)
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_ls,
-                offs_n, m_lo, m_hi - (m_full_hi - m_full_lo), SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, True,
-                DOT_PREC, col_lo, col_hi, m_full_lo, m_full_hi - m_full_lo, True,
+                offs_n, m_lo, m_hi - (m_full_hi - m_full_lo), SQ, OFFSET, qk_scale, softcap, BLOCK_M, HEAD_D,
+                BLOCK_D, HEAD_DV, BLOCK_DV, True, DOT_PREC, SOFTCAP, col_lo, col_hi, m_full_lo, m_full_hi - m_full_lo,
+                True,
             )
         else:
             if CAUSAL:
                 dk, dv = _dkdv_tiles(
                     dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_ls,
-                    offs_n, m_lo, m_full, SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, True, DOT_PREC,
+                    offs_n, m_lo, m_full, SQ, OFFSET, qk_scale, softcap, BLOCK_M, HEAD_D, BLOCK_D, HEAD_DV,
+                    BLOCK_DV, True, DOT_PREC, SOFTCAP,
                 )
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_ls,
-                offs_n, m_full, SQ, SQ, OFFSET, qk_scale, BLOCK_M, HEAD_D, BLOCK_D, False, DOT_PREC,
+                offs_n, m_full, SQ, SQ, OFFSET, qk_scale, softcap, BLOCK_M, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV,
+                False, DOT_PREC, SOFTCAP,
             )
 
     if INTERVALS:
@@ -216,27 +234,28 @@ def _attn_bwd_dkdv_kernel(
 
     # dS was computed for scores already scaled; the chain rule through S = scale * q k^T adds it here
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :]
-    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :]
+    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_dv[None, :]
     tl.store(dk_ptrs, tl.load(dk_ptrs, mask=kv_mask, other=0.0) + dk * dk_scale, mask=kv_mask)
-    tl.store(dv_ptrs, tl.load(dv_ptrs, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
+    tl.store(dv_ptrs, tl.load(dv_ptrs, mask=v_mask, other=0.0) + dv, mask=v_mask)
 
 
 @triton.jit
 def _dq_tiles(
     dq, q, do, lse2, delta,
     k_ptrs, v_ptrs, stride_kn, stride_vn,
-    offs_m, lo, hi, SK, OFFSET, qk_scale,
-    BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
-    row_lo=None, row_hi=None, gap_lo=0, gap=0, INTERVALS: tl.constexpr = False,
+    offs_m, lo, hi, SK, OFFSET, qk_scale, softcap,
+    BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+    SOFTCAP: tl.constexpr, row_lo=None, row_hi=None, gap_lo=0, gap=0, INTERVALS: tl.constexpr = False,
 ):
     """Accumulate key tiles `[lo, hi)` into this query tile's dq. `k_ptrs` is a `[BLOCK_N, BLOCK_D]`
-    tile at key 0 and `v_ptrs` a `[BLOCK_D, BLOCK_N]` (transposed) one. With INTERVALS, masked tiles
-    keep the keys `[row_lo, row_hi)` of each row (`row_hi <= SK`) instead of the causal rule, and the
-    masked walk jumps over `gap` keys at `gap_lo` (see `_fwd_tiles`)."""
+    tile at key 0 and `v_ptrs` a `[BLOCK_DV, BLOCK_N]` (transposed) one; SOFTCAP as in `_dkdv_tiles`.
+    With INTERVALS, masked tiles keep the keys `[row_lo, row_hi)` of each row (`row_hi <= SK`) instead of
+    the causal rule, and the masked walk jumps over `gap` keys at `gap_lo` (see `_fwd_tiles`)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
+    dv_ok = tl.arange(0, BLOCK_DV) < HEAD_DV
     JUMP: tl.constexpr = INTERVALS and MASKED
     if not JUMP:
         k_ptrs += lo * stride_kn
@@ -254,19 +273,28 @@ def _dq_tiles(
         if MASKED:
             n_ok = offs_n < SK
             k = tl.load(kt_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            vt = tl.load(vt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        elif BLOCK_D != HEAD_D:
-            k = tl.load(kt_ptrs, mask=d_ok[None, :], other=0.0)
-            vt = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
+            vt = tl.load(vt_ptrs, mask=n_ok[None, :] & dv_ok[:, None], other=0.0)
         else:
-            k = tl.load(kt_ptrs)
-            vt = tl.load(vt_ptrs)
+            if BLOCK_D != HEAD_D:
+                k = tl.load(kt_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                k = tl.load(kt_ptrs)
+            if BLOCK_DV != HEAD_DV:
+                vt = tl.load(vt_ptrs, mask=dv_ok[:, None], other=0.0)
+            else:
+                vt = tl.load(vt_ptrs)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        if SOFTCAP:
+            t, cap_scale = softcap_scores(s, qk_scale, softcap, SOFTCAP)
+            p = tl.math.exp2(t * cap_scale - lse2[:, None])
+        else:
+            p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
             p = tl.where(tile_visible(offs_m, offs_n, n_ok, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS), p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = softcap_grad(ds, p, lse2[:, None], softcap)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
         if not JUMP:
             k_ptrs += BLOCK_N * stride_kn
@@ -283,10 +311,11 @@ def _attn_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh, stride_ls,
     stride_dqb, stride_dqs, stride_dqh,
-    H, GROUP, SQ, SK, OFFSET, qk_scale, dq_scale, KeyLo, KeyHi,
+    H, GROUP, SQ, SK, OFFSET, qk_scale, dq_scale, KeyLo, KeyHi, softcap,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    INTERVALS: tl.constexpr, REDUCE: tl.constexpr = False,
+    INTERVALS: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
+    REDUCE: tl.constexpr = False,
 ):
     """Grid `(cdiv(SQ, BLOCK_M), B * H)`. KeyLo/KeyHi: as in the forward (None without INTERVALS). With
     REDUCE, DQ is a tensor descriptor over `[B * SQ, H * HEAD_D]` (block `[BLOCK_M, HEAD_D]`) that the
@@ -304,17 +333,18 @@ def _attn_bwd_dq_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < SQ
+    offs_dv = tl.arange(0, BLOCK_DV)
     md_mask = m_ok[:, None] & (offs_d < HEAD_D)[None, :]
     q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
                 mask=md_mask, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-                 mask=md_mask, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dos + offs_dv[None, :],
+                 mask=m_ok[:, None] & (offs_dv < HEAD_DV)[None, :], other=0.0)
     lse = tl.load(Lse + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ls, mask=m_ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(Delta + off_b * stride_lb + off_h * stride_lh + offs_m * stride_ls, mask=m_ok, other=0.0)
 
     k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + tl.arange(0, BLOCK_N)[None, :] * stride_vs + offs_d[:, None]
+    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + tl.arange(0, BLOCK_N)[None, :] * stride_vs + offs_dv[:, None]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if INTERVALS:
@@ -322,19 +352,20 @@ def _attn_bwd_dq_kernel(
         row_lo, row_hi, n_lo, n_full_lo, n_full_hi, n_hi = interval_tile_range(
             KeyLo, KeyHi, offs_m, m_ok, SK, BLOCK_N)
         dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, n_full_lo, n_full_hi,
-                       SK, OFFSET, qk_scale, BLOCK_N, HEAD_D, BLOCK_D, False, False, DOT_PREC, row_lo, row_hi, 0, 0,
-                       True)
+                       SK, OFFSET, qk_scale, softcap, BLOCK_N, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, False, False,
+                       DOT_PREC, SOFTCAP, row_lo, row_hi, 0, 0, True)
         gap = n_full_hi - n_full_lo
         dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, n_lo, n_hi - gap, SK,
-                       OFFSET, qk_scale, BLOCK_N, HEAD_D, BLOCK_D, False, True, DOT_PREC, row_lo, row_hi, n_full_lo,
-                       gap, True)
+                       OFFSET, qk_scale, softcap, BLOCK_N, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, False, True, DOT_PREC,
+                       SOFTCAP, row_lo, row_hi, n_full_lo, gap, True)
         dq = tl.where((row_lo < row_hi)[:, None], dq, 0.0)
     else:
         n_full, n_hi = query_tile_key_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
         dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, 0, n_full, SK, OFFSET,
-                       qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, False, DOT_PREC)
+                       qk_scale, softcap, BLOCK_N, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, CAUSAL, False, DOT_PREC, SOFTCAP)
         dq = _dq_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, n_full, n_hi, SK,
-                       OFFSET, qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, True, DOT_PREC)
+                       OFFSET, qk_scale, softcap, BLOCK_N, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, CAUSAL, True, DOT_PREC,
+                       SOFTCAP)
 
     if REDUCE:
         DQ.atomic_add([(off_b * SQ + m0).to(tl.int32), (off_h * HEAD_D).to(tl.int32)], dq * dq_scale)
@@ -380,15 +411,17 @@ def _backward_impl(
     key_lo: torch.Tensor | None = None, key_hi: torch.Tensor | None = None,
     query_lo: torch.Tensor | None = None, query_hi: torch.Tensor | None = None,
     dq_reduce: bool | None = None,
+    softcap: float = 0.0,
 ) -> None:
     """Launch the dk/dv and dq kernels. `delta` must have `lse`'s strides, `offset` be a 32-bit
     `mask_offset`, `qk_scale >= 0` and `sq, sk > 0`; with intervals (all four, contiguous int32, see
     `attention_backward`), `causal` is False. `dq_reduce` (benchmarks only): add dq's tiles through TMA
-    or by a load, add and store; None: TMA where `dq_through_tma` says so."""
+    or by a load, add and store; None: TMA where `dq_through_tma` says so. `softcap >= 0` (0: none)."""
     b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    bd = block_d(d)
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    bd, bdv = block_d(d), block_d(dv)
     intervals = key_lo is not None
+    cap_mode = softcap_mode(softcap, q.dtype, "attention_backward")
 
     def launch_dkdv(cfg: BwdConfig) -> None:
         grid = (cdiv(sk, cfg.kv_block_n), b * hkv)
@@ -401,9 +434,9 @@ def _backward_impl(
             lse.stride(0), lse.stride(1), lse.stride(2),
             dk_acc.stride(0), dk_acc.stride(1), dk_acc.stride(2),
             dv_acc.stride(0), dv_acc.stride(1), dv_acc.stride(2),
-            hkv, h // hkv, sq, sk, offset, qk_scale, dk_scale, query_lo, query_hi,
+            hkv, h // hkv, sq, sk, offset, qk_scale, dk_scale, query_lo, query_hi, float(softcap),
             HEAD_D=d, BLOCK_D=bd, BLOCK_M=cfg.kv_block_m, BLOCK_N=cfg.kv_block_n, CAUSAL=causal,
-            DOT_PREC=dot_precision(q.dtype), INTERVALS=intervals,
+            DOT_PREC=dot_precision(q.dtype), INTERVALS=intervals, HEAD_DV=dv, BLOCK_DV=bdv, SOFTCAP=cap_mode,
             num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
         )
 
@@ -421,9 +454,10 @@ def _backward_impl(
             dout.stride(0), dout.stride(1), dout.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2),
             dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
-            h, h // hkv, sq, sk, offset, qk_scale, dq_scale, key_lo, key_hi,
+            h, h // hkv, sq, sk, offset, qk_scale, dq_scale, key_lo, key_hi, float(softcap),
             HEAD_D=d, BLOCK_D=bd, BLOCK_M=cfg.q_block_m, BLOCK_N=cfg.q_block_n, CAUSAL=causal,
-            DOT_PREC=dot_precision(q.dtype), INTERVALS=intervals, REDUCE=reduce,
+            DOT_PREC=dot_precision(q.dtype), INTERVALS=intervals, HEAD_DV=dv, BLOCK_DV=bdv, SOFTCAP=cap_mode,
+            REDUCE=reduce,
             num_warps=cfg.q_warps, num_stages=cfg.q_stages,
         )
 
@@ -433,17 +467,18 @@ def _backward_impl(
         if dq_acc is not None:
             launch_dq(config)
         return
-    key = (d, q.dtype, causal, q.device.index, intervals)
-    # interval masks take the causal configs (masked tiles at the edges, like a causal block)
-    configs = bwd_configs(d, q.dtype, causal or intervals)
+    key = (d, q.dtype, causal, q.device.index, intervals, dv, cap_mode)
+    # interval masks take the causal configs (masked tiles at the edges, like a causal block); the tiles
+    # are sized for the larger of the two head dims
+    configs = bwd_configs(max(d, dv), q.dtype, causal or intervals)
     if dk_acc is not None:
-        if hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, dout):
+        if hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, dout, softcap=softcap):
             # sm_90, bf16/fp16, head dim 64/128: the Gluon dk/dv kernel (TMA, warp-specialized WGMMA), with
             # dq added in the same pass (5 GEMMs per tile pair instead of 7)
             fuse = dq_acc is not None and hopper_fuses_dq(dq_acc, dk_acc, dv_acc)
             hopper_dkdv(dout, q, k, v, lse, delta, dk_acc, dv_acc, qk_scale=qk_scale, dk_scale=dk_scale,
                         causal=causal, offset=offset, query_lo=query_lo, query_hi=query_hi,
-                        dq_acc=dq_acc if fuse else None, dq_scale=dq_scale)
+                        dq_acc=dq_acc if fuse else None, dq_scale=dq_scale, softcap=softcap)
             if fuse:
                 return
         else:
@@ -456,11 +491,12 @@ def _backward_impl(
 # public functions
 
 
-def dq_with_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def dq_with_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float = 0.0) -> bool:
     """Whether `attention_backward` adds dq in the dk/dv pass for these `[b, s, heads, d]` inputs and the
     ring's accumulators (the Hopper kernel, where TMA indexes the float32 accumulators: the ring passes
     row ranges of them, which TMA indexes as rows for one batch element only)."""
-    return q.shape[0] == 1 and hopper_dkdv_applies is not None and hopper_dkdv_applies(q, k, v, q)
+    return (q.shape[0] == 1 and hopper_dkdv_applies is not None
+            and hopper_dkdv_applies(q, k, v, q, softcap=softcap))
 
 
 def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -505,6 +541,7 @@ def attention_backward(
     key_hi: torch.Tensor | None = None,
     query_lo: torch.Tensor | None = None,
     query_hi: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> None:
     """Add one block's attention gradients into float32 accumulators (the backward of the block-op
     contract, `ringlse.blocks.contract`).
@@ -516,14 +553,16 @@ def attention_backward(
     zero-length q or k launch nothing.
 
     Args:
-        dout: `[b, sq, h, d]` gradient of the global output (any strides, last dim contiguous preferred).
-        q: `[b, sq, h, d]`; k, v: `[b, sk, hkv, d]`; bf16, fp16 or fp32 (fp32 dots in 3-pass TF32).
-        out: `[b, sq, h, d]` the *global* output (unused here: `delta` already carries it).
+        dout: `[b, sq, h, d_v]` gradient of the global output (any strides, last dim contiguous preferred).
+        q: `[b, sq, h, d]`; k: `[b, sk, hkv, d]`, v: `[b, sk, hkv, d_v]`; bf16, fp16 or fp32 (fp32 dots in
+            3-pass TF32).
+        out: `[b, sq, h, d_v]` the *global* output (unused here: `delta` already carries it).
         lse: `[b, h, sq]` float32, the *global* lse (natural log); rows with `-inf` contribute 0.
         delta: `[b, h, sq]` float32, `rowsum(dout * out)` (minus any lse gradient).
-        softmax_scale, causal, q_start, k_start: as in `attention_forward`.
-        dq_acc: float32 `[b, sq, h, d]`; dk_acc, dv_acc: float32 `[b, sk, hkv, d]` (views allowed, last
-            dim contiguous); this block's gradients are added in place. `dq_acc=None` skips the dq
+        softmax_scale, causal, q_start, k_start, softcap: as in `attention_forward` (with a cap, dS is
+            multiplied by its derivative `1 - tanh**2`, recomputed from q.k and the lse; nothing is stored).
+        dq_acc: float32 `[b, sq, h, d]`; dk_acc `[b, sk, hkv, d]`, dv_acc `[b, sk, hkv, d_v]`, float32
+            (views allowed, last dim contiguous); this block's gradients are added in place. `dq_acc=None` skips the dq
             kernel, `dk_acc=dv_acc=None` the dk/dv kernel (a caller that sends dk/dv in pieces of
             keys computes dq once over all of them).
         lse_grad: unused: the block-op contract has it folded into `delta` already.
@@ -545,8 +584,10 @@ def attention_backward(
     check_qkv_shapes(q, k, v, what)
     b, sq, h, d = q.shape
     sk = k.shape[1]
-    if dout.shape != q.shape:
-        raise ValueError(f"{what}: dout {tuple(dout.shape)} must match q {tuple(q.shape)}")
+    if dout.shape != (*q.shape[:3], v.shape[3]):
+        raise ValueError(f"{what}: dout {tuple(dout.shape)} must be q's {tuple(q.shape[:3])} x v's head dim "
+                         f"{v.shape[3]}")
+    softcap_mode(softcap, q.dtype, what)
     if tuple(lse.shape) != (b, h, sq) or tuple(delta.shape) != (b, h, sq):
         raise ValueError(f"{what}: lse and delta must be {(b, h, sq)}, got {tuple(lse.shape)}, {tuple(delta.shape)}")
     if (dk_acc is None) != (dv_acc is None):
@@ -582,5 +623,5 @@ def attention_backward(
         dout, q, k, v, lse, delta, dq_acc, dk_acc, dv_acc,
         qk_scale=abs(scale) * LOG2E, dq_scale=dq_scale, dk_scale=dk_scale,
         causal=causal, offset=mask_offset(causal, sq, sk, q_start, k_start),
-        key_lo=key_lo, key_hi=key_hi, query_lo=query_lo, query_hi=query_hi,
+        key_lo=key_lo, key_hi=key_hi, query_lo=query_lo, query_hi=query_hi, softcap=softcap,
     )

@@ -4,8 +4,8 @@ producer warp, WGMMA in two consumer warpgroups, gradients added into the float3
 Same contract and formulas as `attention_bwd`'s kernels (P recomputed from the global lse, rows whose lse
 is -inf contribute 0, `dV += P^T dO`, `dK += scale * dS^T Q`, `dQ += scale * dS K` with
 `dS = P * (dO V^T - delta)`, delta subtracted inside the `dO V^T` MMA's sum here), for bf16/fp16, head
-dims 64 and 128, dense, causal or interval-masked blocks (windows, packed documents); `attention_bwd`'s
-launcher routes here on sm_90.
+dims 64 and 128 (Q/K and V alike), dense, causal or interval-masked blocks (windows, packed documents),
+logit softcapping included; `attention_bwd`'s launcher routes here on sm_90.
 
 Structure: one program owns `BLOCK_N = 128` keys of one kv head (K and V loaded once, 64 keys per
 consumer warpgroup) and walks the query tiles that can see them, of every query head of its GQA group
@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ringlse.kernels.attention_common import key_tile_query_range
+from ringlse.kernels.attention_common import key_tile_query_range, softcap_grad, softcap_mode, softcap_scores
 from ringlse.kernels.attention_fwd_hopper import interval_walk, tma_rows_apply
 from ringlse.kernels.hopper_ops import pass_turn, tma_add, tma_add_from_smem, wait_turn
 from ringlse.kernels.host import rows_view, tma_indexable
@@ -211,15 +211,16 @@ def _dq_write(dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, W: gl.constexpr, HEAD
 
 
 @gluon.jit
-def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale,
+def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, softcap,
                   WG: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
-                  REDUCE: gl.constexpr, ROW_TMA: gl.constexpr, FUSED: gl.constexpr, DQ_HALVES: gl.constexpr):
+                  REDUCE: gl.constexpr, ROW_TMA: gl.constexpr, FUSED: gl.constexpr, DQ_HALVES: gl.constexpr,
+                  SOFTCAP: gl.constexpr):
     """A consumer warpgroup: dk/dv of its 64 keys over every query tile, added into DK/DV (pointers, or
     with REDUCE descriptors over `[B * SK, HKV * HEAD_D]` that TMA adds into). Each tile's lse and delta
     rows come from the loader's slots (ROW_TMA) or are loaded here. With FUSED, each step's dS^T goes to
     shared memory too, this warpgroup computes its part of the tile's `dQ = dq_scale * dS K` over the
     program's 128 keys (DQ_HALVES) into the step's dQ slot for a writer warp, and its final dk/dv go to the
-    writer of its slot."""
+    writer of its slot. SOFTCAP: P from the capped scores, dS^T times the cap's derivative `1 - tanh**2`."""
     q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
     kv_ready, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_full, dq_empty = bars
     stride_lb, stride_lh, stride_ls, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh = strides
@@ -291,7 +292,11 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
             dpt = warpgroup_mma(v_rows, do_buf.permute((1, 0)), st_zero - delta[None, :], is_async=True)
             # P^T while dP^T is still on the tensor cores
             st, _, _ = warpgroup_mma_wait(1, deps=[st, k_rows, q_buf])
-            pt = gl.exp2(st * qk_scale - lse2[None, :])
+            if SOFTCAP:
+                tt, cap_scale = softcap_scores(st, qk_scale, softcap, SOFTCAP)
+                pt = gl.exp2(tt * cap_scale - lse2[None, :])
+            else:
+                pt = gl.exp2(st * qk_scale - lse2[None, :])
             if CAUSAL:
                 if start_m < full_lo:
                     pt = gl.where(offs_n[:, None] <= offs_m[None, :] + OFFSET, pt, 0.0)
@@ -302,6 +307,8 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
             dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_buf, dv, is_async=True)
             dpt, _, _ = warpgroup_mma_wait(1, deps=[dpt, v_rows, do_buf])
             dst = pt * dpt
+            if SOFTCAP:
+                dst = softcap_grad(dst, pt, lse2[None, :], softcap)
             if FUSED:
                 # this warpgroup's half of dS^T to its slot of the step's pair (the dQ warpgroup of two
                 # steps ago has read it)
@@ -388,10 +395,10 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
 def _attn_bwd_dkdv_hopper_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, Lse, Delta, DK, DV, DQ, Sem, KvSem,
     stride_lb, stride_lh, stride_ls, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    HKV, GROUP, SQ, SK, OFFSET, qk_scale, dk_scale, dq_scale, QueryLo, QueryHi,
+    HKV, GROUP, SQ, SK, OFFSET, qk_scale, dk_scale, dq_scale, QueryLo, QueryHi, softcap,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, REDUCE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    ROW_TMA: gl.constexpr, FUSED: gl.constexpr,
+    ROW_TMA: gl.constexpr, FUSED: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
     """Grid `(cdiv(SK, BLOCK_N), B * HKV)`; descriptors over `[B * S, heads * HEAD_D]` views (K/V boxes
     of 64 rows, Q/dO boxes of BLOCK_M). Delta shares Lse's strides; DK/DV are float32 accumulators. With
@@ -455,10 +462,10 @@ def _attn_bwd_dkdv_hopper_kernel(
     # (the partitions' functions cannot be held in variables: each call spells them out)
     if FUSED:
         gl.warp_specialize((
-            (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, 0,
-                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED, DQ_HALVES)),
-            (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, 1,
-                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED, DQ_HALVES)),
+            (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, softcap,
+                             0, HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED, DQ_HALVES, SOFTCAP)),
+            (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, softcap,
+                             1, HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED, DQ_HALVES, SOFTCAP)),
             (_dkdv_load, (descs, smem, bars, walk, HEAD_D, CAUSAL, INTERVALS, ROW_TMA, FUSED)),
             (_dq_write, (dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, 0, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL,
                          INTERVALS)),
@@ -467,10 +474,10 @@ def _attn_bwd_dkdv_hopper_kernel(
         ), [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
     else:
         gl.warp_specialize((
-            (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, 0,
-                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED, DQ_HALVES)),
-            (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, 1,
-                             HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED, DQ_HALVES)),
+            (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, softcap,
+                             0, HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED, DQ_HALVES, SOFTCAP)),
+            (_dkdv_consume, (smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, softcap,
+                             1, HEAD_D, CAUSAL, INTERVALS, REDUCE, ROW_TMA, FUSED, DQ_HALVES, SOFTCAP)),
             (_dkdv_load, (descs, smem, bars, walk, HEAD_D, CAUSAL, INTERVALS, ROW_TMA, FUSED)),
         ), [4, 1], [CONSUMER_REGS, 24])
 
@@ -479,9 +486,11 @@ def _attn_bwd_dkdv_hopper_kernel(
 # launcher
 
 
-def hopper_dkdv_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> bool:
-    """Whether `hopper_dkdv` takes these inputs (see `attention_fwd_hopper.tma_rows_apply`)."""
-    return tma_rows_apply(q, k, v, dout)
+def hopper_dkdv_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                        softcap: float = 0.0) -> bool:
+    """Whether `hopper_dkdv` takes these inputs (see `attention_fwd_hopper.tma_rows_apply`; any softcap):
+    not with a V head dim of its own (the portable kernels compute those)."""
+    return v.shape[-1] == q.shape[-1] and tma_rows_apply(q, k, v, dout)
 
 
 def hopper_fuses_dq(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> bool:
@@ -495,7 +504,7 @@ def hopper_dkdv(
     delta: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor, *,
     qk_scale: float, dk_scale: float, causal: bool, offset: int, block_m: int | None = None,
     query_lo: torch.Tensor | None = None, query_hi: torch.Tensor | None = None,
-    dq_acc: torch.Tensor | None = None, dq_scale: float = 0.0,
+    dq_acc: torch.Tensor | None = None, dq_scale: float = 0.0, softcap: float = 0.0,
 ) -> None:
     """Add this block's dk/dv (with `dq_acc`, its dq too) into the float32 accumulators. The caller has
     checked `hopper_dkdv_applies` (with `dq_acc`, `hopper_fuses_dq`) and the arguments (`delta` with `lse`'s
@@ -522,7 +531,7 @@ def hopper_dkdv(
             hopper_dkdv(dout[i:i + 1], q[i:i + 1], k[i:i + 1], v[i:i + 1], lse[i:i + 1], delta[i:i + 1],
                         dk_acc[i:i + 1], dv_acc[i:i + 1], qk_scale=qk_scale, dk_scale=dk_scale, causal=causal,
                         offset=offset, block_m=block_m, query_lo=query_lo, query_hi=query_hi,
-                        dq_acc=None if dq_acc is None else dq_acc[i:i + 1], dq_scale=dq_scale)
+                        dq_acc=None if dq_acc is None else dq_acc[i:i + 1], dq_scale=dq_scale, softcap=softcap)
         return
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     descs = []
@@ -560,8 +569,9 @@ def hopper_dkdv(
         *descs, lse, delta, *accs, *sems,
         lse.stride(0), lse.stride(1), lse.stride(2),
         dk_acc.stride(0), dk_acc.stride(1), dk_acc.stride(2), dv_acc.stride(0), dv_acc.stride(1), dv_acc.stride(2),
-        hkv, h // hkv, sq, sk, offset, qk_scale, dk_scale, dq_scale, query_lo, query_hi,
+        hkv, h // hkv, sq, sk, offset, qk_scale, dk_scale, dq_scale, query_lo, query_hi, float(softcap),
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal, INTERVALS=query_lo is not None,
         REDUCE=reduce, CONSUMER_REGS=240, ROW_TMA=row_tma, FUSED=fused,
+        SOFTCAP=softcap_mode(softcap, q.dtype, "hopper_dkdv"),
         num_warps=4, maxnreg=168,
     )

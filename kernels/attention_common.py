@@ -92,6 +92,39 @@ def softmax_step(qk, m_i, qk_scale, visible, MASKED: tl.constexpr, LAZY: tl.cons
 
 
 @triton.jit
+def tanh_f32(x, SOFTCAP: tl.constexpr):
+    """`tanh(x)` in float32: SOFTCAP 2 takes the GPU's one-instruction approximation (relative error
+    2**-11, below bf16/fp16 rounding of the scores), SOFTCAP 1 the exact form `1 - 2 / (e^2x + 1)` (a few
+    ulps absolute, saturating to +-1; runs under the interpreter and keeps float32 inputs to §7's bound)."""
+    if SOFTCAP == 2:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 - 2.0 / (tl.math.exp2(x * 2.885390081777927) + 1.0)
+
+
+@triton.jit
+def softcap_scores(s, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """The capped scores of raw dots `s` as `(t, cap_scale)`: `t * cap_scale` is `softcap * tanh(scale * s /
+    softcap)` in base 2 (`qk_scale` = scale * log2(e), `cap_scale` = softcap * log2(e)), the cap applied at
+    natural scale (Gemma 2's and flash-attn's definition). Callers scale `t` by `cap_scale` where they scale uncapped dots by
+    `qk_scale`, in the same FMA with the max or the lse (no multiply of its own)."""
+    cap_scale = softcap * 1.4426950408889634
+    return tanh_f32(s * (qk_scale / cap_scale), SOFTCAP), cap_scale
+
+
+@triton.jit
+def softcap_grad(ds, p, lse2, softcap):
+    """dS through the cap, `ds * (1 - tanh**2)`, with tanh recovered from P itself (`P = 2^(softcap * log2(e)
+    * tanh - lse2)`, `lse2` broadcast like P): no tile of tanh is held from P to dS (held, the Hopper dk/dv
+    kernel spilled 140-216 B at head dim 128). Where P is 0 (masked, or lse2 = +inf), so is `ds`: the floor
+    and the clamp to [-1, 1] keep the factor finite there."""
+    t = (tl.math.log2(tl.maximum(p, 1e-30)) + lse2) * (1.0 / (softcap * 1.4426950408889634))
+    t = tl.minimum(tl.maximum(t, -1.0), 1.0)
+    return ds * (1.0 - t * t)
+
+
+@triton.jit
 def key_tile_query_range(n0, SQ, SK, OFFSET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """Query tiles that see the key tile at key `n0` (the dk/dv kernels' walk): from `m_lo` on; those
     before `m_full` are cut by the causal boundary (masked), those from `m_full` on see every key of the
@@ -150,6 +183,17 @@ def mask_offset(causal: bool, seqlen_q: int, seqlen_k: int, q_start: int, k_star
     if not causal:
         return 0
     return min(max(q_start - k_start, -seqlen_q), seqlen_k)
+
+
+def softcap_mode(softcap: float, dtype: torch.dtype, what: str) -> int:
+    """The kernels' SOFTCAP constexpr: 0 without a cap (compiled out: the uncapped kernels are unchanged),
+    2 for bf16/fp16 on the GPU (approximate tanh), 1 otherwise (exact tanh: float32, the interpreter)."""
+    cap = float(softcap)
+    if not cap >= 0.0 or cap == float("inf"):
+        raise ValueError(f"{what}: softcap must be a finite number >= 0 (0 turns it off), got {softcap}")
+    if cap == 0.0:
+        return 0
+    return 2 if dtype != torch.float32 and not interpreting() else 1
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -304,17 +348,18 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
+    """q, k `[b, s, h, d_qk]`, v `[b, sk, hkv, d_v]`: V may have its own head dim (MLA: 192 / 128)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"{what}: q, k, v must be [batch, seqlen, nheads, headdim]")
     b, _, h, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or h % k.shape[2]:
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[3] != d or h % k.shape[2]:
         raise ValueError(
             f"{what}: incompatible shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}"
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"{what}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if d > 256:
-        raise ValueError(f"{what}: head dim {d} > 256 is not supported")
+    if max(d, v.shape[3]) > 256:
+        raise ValueError(f"{what}: head dim {max(d, v.shape[3])} > 256 is not supported")
 
 
 def check_accumulator(acc: torch.Tensor, shape: tuple, device: torch.device, what: str, name: str) -> None:

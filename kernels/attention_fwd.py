@@ -15,7 +15,8 @@ unmasked, the others (at both ends, in one loop that jumps over the unmasked one
 that see no key of the block ride along through the unmasked tiles and are reset to the empty state at
 the end. Behind the `INTERVALS` constexpr: without intervals the kernel compiles as before.
 
-On sm_90 GPUs, bf16/fp16 blocks of head dim 64 or 128 (interval masks included) go to the Gluon kernel of
+On sm_90 GPUs, bf16/fp16 blocks of head dim 64 or 128, or Q/K 192 with V 128 (interval masks and softcap
+included; `attention_fwd_hopper.FWD_HEAD_DIMS`) go to the Gluon kernel of
 `attention_fwd_hopper` instead (same contract and numerics, TMA and warp-specialized WGMMA); this kernel
 serves everything else and the CPU interpreter.
 
@@ -46,6 +47,8 @@ from ringlse.kernels.attention_common import (
     mask_offset,
     query_tile_key_range,
     set_tuned_fwd_config,
+    softcap_mode,
+    softcap_scores,
     softmax_step,
     tile_visible,
 )
@@ -65,18 +68,20 @@ __all__ = ["FwdConfig", "attention_forward", "fwd_configs", "set_tuned_fwd_confi
 def _fwd_tiles(
     acc, l_i, m_i, q,
     k_ptrs, v_ptrs, stride_kn, stride_vn,
-    offs_m, offs_d, lo, hi, SK, OFFSET, qk_scale,
-    BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
-    row_lo=None, row_hi=None, gap_lo=0, gap=0, INTERVALS: tl.constexpr = False,
+    offs_m, offs_d, offs_dv, lo, hi, SK, OFFSET, qk_scale, softcap,
+    BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+    SOFTCAP: tl.constexpr, row_lo=None, row_hi=None, gap_lo=0, gap=0, INTERVALS: tl.constexpr = False,
 ):
     """Online softmax over key tiles `[lo, hi)`; `k_ptrs` is a `[BLOCK_D, BLOCK_N]` (transposed) tile
-    at key 0, `v_ptrs` a `[BLOCK_N, BLOCK_D]` tile at key 0. With INTERVALS, masked tiles keep the keys
-    `[row_lo, row_hi)` of each row (`row_hi <= SK`) instead of the causal rule, and the masked walk
-    jumps over `gap` keys at `gap_lo` (the unmasked tiles in the middle): one masked loop serves both
+    at key 0, `v_ptrs` a `[BLOCK_N, BLOCK_DV]` tile at key 0. With SOFTCAP the scores are capped
+    (`softcap_scores`) before the softmax, which scales them by the cap's scale. With INTERVALS,
+    masked tiles keep the keys `[row_lo, row_hi)` of each row (`row_hi <= SK`) instead of the causal
+    rule, and the masked walk jumps over `gap` keys at `gap_lo` (the unmasked tiles in the middle): one masked loop serves both
     ends (two masked loops took ~30 more registers per thread at d=64: ptxas, sm_90)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_D
+    dv_ok = offs_dv < HEAD_DV
     JUMP: tl.constexpr = INTERVALS and MASKED
     if not JUMP:
         k_ptrs += lo * stride_kn
@@ -99,14 +104,18 @@ def _fwd_tiles(
         else:
             kt = tl.load(kt_ptrs)
         qk = tl.dot(q, kt, input_precision=DOT_PREC)
+        if SOFTCAP:
+            qk, step_scale = softcap_scores(qk, qk_scale, softcap, SOFTCAP)
+        else:
+            step_scale = qk_scale
         visible = tile_visible(offs_m, offs_n, n_ok, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS) if MASKED else None
-        p, m_new, alpha = softmax_step(qk, m_i, qk_scale, visible, MASKED, False)
+        p, m_new, alpha = softmax_step(qk, m_i, step_scale, visible, MASKED, False)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if MASKED:
-            v = tl.load(vt_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        elif BLOCK_D != HEAD_D:
-            v = tl.load(vt_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(vt_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        elif BLOCK_DV != HEAD_DV:
+            v = tl.load(vt_ptrs, mask=dv_ok[None, :], other=0.0)
         else:
             v = tl.load(vt_ptrs)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
@@ -134,12 +143,14 @@ def _attn_fwd_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, stride_ls,
-    H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi,
+    H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi, softcap,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ACCUM: tl.constexpr, DOT_PREC: tl.constexpr, INTERVALS: tl.constexpr,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    """Grid `(cdiv(SQ, BLOCK_M), B * H)`. `qk_scale` = softmax_scale * log2(e). With ACCUM, `Out`/`Lse`
+    """Grid `(cdiv(SQ, BLOCK_M), B * H)`. `qk_scale` = softmax_scale * log2(e); Q/K have head dim HEAD_D,
+    V/Out HEAD_DV; SOFTCAP (`softcap_mode`) caps the scores at `softcap`. With ACCUM, `Out`/`Lse`
     are the float32 running state, read and merged in place; otherwise fresh outputs. With INTERVALS
     (then not CAUSAL), query `i` sees the keys `[KeyLo[i], KeyHi[i])` (int32 `[SQ]`); otherwise
     KeyLo/KeyHi are None."""
@@ -157,17 +168,19 @@ def _attn_fwd_kernel(
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < SQ
     d_ok = offs_d < HEAD_D
+    dv_ok = offs_dv < HEAD_DV
 
     q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + tl.arange(0, BLOCK_N)[None, :] * stride_ks + offs_d[:, None]
-    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vs + offs_d[None, :]
+    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vs + offs_dv[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     if INTERVALS:
         # key tiles [n_lo, n_full_lo) and [n_full_hi, n_hi) are masked, [n_full_lo, n_full_hi) are seen
@@ -175,14 +188,16 @@ def _attn_fwd_kernel(
         row_lo, row_hi, n_lo, n_full_lo, n_full_hi, n_hi = interval_tile_range(
             KeyLo, KeyHi, offs_m, m_ok, SK, BLOCK_N)
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, n_full_lo, n_full_hi, SK,
-            OFFSET, qk_scale, BLOCK_N, HEAD_D, BLOCK_D, False, False, DOT_PREC, row_lo, row_hi, 0, 0, True,
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, offs_dv, n_full_lo, n_full_hi, SK,
+            OFFSET, qk_scale, softcap, BLOCK_N, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, False, False, DOT_PREC, SOFTCAP,
+            row_lo, row_hi, 0, 0, True,
         )
         # both masked ends in one loop: [n_lo, n_full_lo), then a jump over the unmasked tiles
         gap = n_full_hi - n_full_lo
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, n_lo, n_hi - gap, SK, OFFSET,
-            qk_scale, BLOCK_N, HEAD_D, BLOCK_D, False, True, DOT_PREC, row_lo, row_hi, n_full_lo, gap, True,
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, offs_dv, n_lo, n_hi - gap, SK,
+            OFFSET, qk_scale, softcap, BLOCK_N, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, False, True, DOT_PREC, SOFTCAP,
+            row_lo, row_hi, n_full_lo, gap, True,
         )
         # rows that see no key of this block: the empty state (-inf, 0, 0), whatever they computed
         # (`live` recomputed here rather than kept from the range: 7 registers fewer at d=64, sm_90)
@@ -194,17 +209,17 @@ def _attn_fwd_kernel(
         # key tiles [0, n_full) need no mask; [n_full, n_hi) are cut by the causal boundary or the key tail
         n_full, n_hi = query_tile_key_range(m0, SK, OFFSET, BLOCK_M, BLOCK_N, CAUSAL)
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, 0, n_full, SK, OFFSET,
-            qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, False, DOT_PREC,
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, offs_dv, 0, n_full, SK, OFFSET,
+            qk_scale, softcap, BLOCK_N, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, CAUSAL, False, DOT_PREC, SOFTCAP,
         )
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, n_full, n_hi, SK, OFFSET,
-            qk_scale, BLOCK_N, HEAD_D, BLOCK_D, CAUSAL, True, DOT_PREC,
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_d, offs_dv, n_full, n_hi, SK, OFFSET,
+            qk_scale, softcap, BLOCK_N, HEAD_D, BLOCK_D, HEAD_DV, BLOCK_DV, CAUSAL, True, DOT_PREC, SOFTCAP,
         )
 
     if ACCUM:
         # the running state (lse in base e) is one more state to fold into this block's (m_i, l_i, acc)
-        o_ptrs, lse_ptrs, o_mask = _row_ptrs(Out, Lse, off_b, off_h, offs_m, offs_d, m_ok, d_ok,
+        o_ptrs, lse_ptrs, o_mask = _row_ptrs(Out, Lse, off_b, off_h, offs_m, offs_dv, m_ok, dv_ok,
                                              stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls)
         old2 = tl.load(lse_ptrs, mask=m_ok, other=float("-inf")) * 1.4426950408889634
         o_old = tl.load(o_ptrs, mask=o_mask, other=0.0)
@@ -213,7 +228,7 @@ def _attn_fwd_kernel(
     lse2, out = merge_finish(m_i, l_i, acc, True)
     # (the same pointers as above under ACCUM; computed here, after the math, the plain forward's code
     # stays as it was before the merge math was shared)
-    o_ptrs, lse_ptrs, o_mask = _row_ptrs(Out, Lse, off_b, off_h, offs_m, offs_d, m_ok, d_ok,
+    o_ptrs, lse_ptrs, o_mask = _row_ptrs(Out, Lse, off_b, off_h, offs_m, offs_dv, m_ok, dv_ok,
                                          stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
     tl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=m_ok)
@@ -223,9 +238,11 @@ def _attn_fwd_kernel(
 # launcher
 
 
-def check_state(out_acc: torch.Tensor, lse_acc: torch.Tensor, q: torch.Tensor, what: str) -> None:
+def check_state(out_acc: torch.Tensor, lse_acc: torch.Tensor, q: torch.Tensor, what: str, d_v: int | None = None
+                ) -> None:
+    """The running state of `q`'s rows: out `[b, sq, h, d_v]` (d_v: q's head dim unless given), lse `[b, h, sq]`."""
     b, sq, h, d = q.shape
-    check_accumulator(out_acc, (b, sq, h, d), q.device, what, "out_acc")
+    check_accumulator(out_acc, (b, sq, h, d if d_v is None else d_v), q.device, what, "out_acc")
     if tuple(lse_acc.shape) != (b, h, sq) or lse_acc.dtype != torch.float32 or lse_acc.device != q.device:
         raise ValueError(
             f"{what}: lse_acc must be float32 {(b, h, sq)} on {q.device}, got {lse_acc.dtype} "
@@ -247,16 +264,19 @@ def _forward_impl(
     config: FwdConfig | None = None,
     key_lo: torch.Tensor | None = None,
     key_hi: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> None:
     """Launch the forward kernel writing (or merging into, with `accum`) `out`/`lse` (the Hopper kernel
     where it applies, unless a `config` for this one is given). The caller has
     validated the arguments, made `softmax_scale >= 0` and `offset` a 32-bit `mask_offset`, and
-    `sq, sk > 0`; with `key_lo`/`key_hi` (contiguous int32 `[sq]`), `causal` is False."""
+    `sq, sk > 0`; with `key_lo`/`key_hi` (contiguous int32 `[sq]`), `causal` is False; `softcap >= 0`
+    (0: none)."""
     b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     bd = block_d(d)
     qk_scale = softmax_scale * LOG2E
     intervals = key_lo is not None
+    cap_mode = softcap_mode(softcap, q.dtype, "attention_forward")
 
     def launch(cfg: FwdConfig) -> None:
         grid = (cdiv(sq, cfg.block_m), b * h)
@@ -267,24 +287,26 @@ def _forward_impl(
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2),
-            h, h // hkv, sq, sk, offset, qk_scale, key_lo, key_hi,
+            h, h // hkv, sq, sk, offset, qk_scale, key_lo, key_hi, float(softcap),
             HEAD_D=d, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=causal, ACCUM=accum, DOT_PREC=dot_precision(q.dtype), INTERVALS=intervals,
+            HEAD_DV=dv, BLOCK_DV=block_d(dv), SOFTCAP=cap_mode,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     if config is not None:
         launch(config)
         return
-    if hopper_forward_applies is not None and hopper_forward_applies(q, k, v):
-        # sm_90, bf16/fp16, head dim 64/128: the Gluon kernel (TMA, warp-specialized WGMMA), 1.2-1.3x
+    if hopper_forward_applies is not None and hopper_forward_applies(q, k, v, softcap=softcap):
+        # sm_90, bf16/fp16, head dims of FWD_HEAD_DIMS: the Gluon kernel (TMA, warp-specialized WGMMA), 1.2-1.3x
         # this one's speed on H200
         hopper_forward(q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, offset=offset, accum=accum,
-                       key_lo=key_lo, key_hi=key_hi)
+                       key_lo=key_lo, key_hi=key_hi, softcap=softcap)
         return
-    key = (d, q.dtype, causal, accum, q.device.index, intervals)
-    # interval masks take the causal configs (masked tiles at the edges, like a causal block)
-    launch_with_fallback(FWD_CHOSEN, key, fwd_configs(d, q.dtype, causal or intervals), launch)
+    key = (d, q.dtype, causal, accum, q.device.index, intervals, dv, cap_mode)
+    # interval masks take the causal configs (masked tiles at the edges, like a causal block); the tiles
+    # are sized for the larger of the two head dims
+    launch_with_fallback(FWD_CHOSEN, key, fwd_configs(max(d, dv), q.dtype, causal or intervals), launch)
 
 
 def attention_forward(
@@ -301,6 +323,7 @@ def attention_forward(
     key_lo: torch.Tensor | None = None,
     key_hi: torch.Tensor | None = None,
     fresh: bool = False,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block attention forward (the forward of the block-op contract, `ringlse.blocks.contract`).
 
@@ -315,9 +338,10 @@ def attention_forward(
     nothing: `(0, -inf)` rows, or the accumulators untouched.
 
     Args:
-        q: `[b, sq, h, d]`; k, v: `[b, sk, hkv, d]` with `h % hkv == 0` (GQA by indexing, K/V never
+        q: `[b, sq, h, d]`; k: `[b, sk, hkv, d]`, v: `[b, sk, hkv, d_v]` (V's head dim may differ, e.g.
+            MLA's 192 / 128; out has d_v) with `h % hkv == 0` (GQA by indexing, K/V never
             repeated); bf16, fp16 or fp32 (fp32 dots in 3-pass TF32); any strides, last dim contiguous
-            preferred (copied otherwise). `d <= 256` (non powers of two are padded in registers).
+            preferred (copied otherwise). `d, d_v <= 256` (non powers of two are padded in registers).
         softmax_scale: multiplies `q @ k^T` (any sign).
         causal: mask key `j` unless `k_start + j <= q_start + i` (query `i`).
         q_start, k_start: global positions of query 0 and key 0 (any integers); only their difference
@@ -331,7 +355,9 @@ def attention_forward(
             result; monotone ones keep the masked tiles to the edges of each query tile). Key tiles no
             row of a query tile sees outside `[min key_lo, max key_hi)` of its rows are not visited;
             tiles every row with keys sees whole run unmasked.
-        out_acc: optional float32 `[b, sq, h, d]` running output (may be a strided view, last dim
+        softcap: scores become `softcap * tanh(scale * q.k / softcap)` before the softmax (the lse is over
+            the capped scores, so blocks merge exactly); 0 (the default) turns it off.
+        out_acc: optional float32 `[b, sq, h, d_v]` running output (may be a strided view, last dim
             contiguous).
         lse_acc: optional float32 `[b, h, sq]` running lse (natural log; any strides).
         fresh: with accumulators, they hold nothing yet: their contents are not read (garbage, NaN
@@ -340,7 +366,7 @@ def attention_forward(
             read of zeros and a merge.
 
     Returns:
-        Without accumulators: `(out, lse)`, `out` `[b, sq, h, d]` in q's dtype and `lse` `[b, h, sq]`
+        Without accumulators: `(out, lse)`, `out` `[b, sq, h, d_v]` in q's dtype and `lse` `[b, h, sq]`
         float32 natural log; rows that see no key get `out = 0`, `lse = -inf`. With accumulators: the
         block is merged into them in the kernel epilogue (CONVENTIONS.md §3, `-inf`-safe), or with
         `fresh` written into them, and they are returned.
@@ -363,7 +389,8 @@ def attention_forward(
         key_lo, key_hi = check_intervals(key_lo, key_hi, sq, q.device, "attention_forward", "key_lo/key_hi")
     accum = out_acc is not None and not fresh
     if out_acc is not None:
-        check_state(out_acc, lse_acc, q, "attention_forward")
+        check_state(out_acc, lse_acc, q, "attention_forward", v.shape[3])
+    softcap_mode(softcap, q.dtype, "attention_forward")
     if b * h * sq == 0 or sk == 0:
         # nothing to launch: no rows, or rows that see no key, whose state (0, -inf) merges to nothing
         if out_acc is not None:
@@ -371,7 +398,8 @@ def attention_forward(
                 out_acc.zero_()
                 lse_acc.fill_(float("-inf"))
             return out_acc, lse_acc
-        return torch.zeros_like(q), torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+        out = torch.zeros_like(q) if v.shape[3] == d else q.new_zeros((b, sq, h, v.shape[3]))
+        return out, torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     scale = float(softmax_scale)
     if scale < 0:
@@ -382,10 +410,12 @@ def attention_forward(
         # merged into, or (fresh) written as a plain forward writes its output, in float32
         out, lse = out_acc, lse_acc
     else:
-        out = torch.empty_like(q)
+        # (q's layout where the head dims agree, as before V could have its own)
+        out = torch.empty_like(q) if v.shape[3] == d else q.new_empty((b, sq, h, v.shape[3]))
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     _forward_impl(
         q, k, v, out, lse, softmax_scale=scale, causal=causal,
         offset=mask_offset(causal, sq, sk, q_start, k_start), accum=accum, key_lo=key_lo, key_hi=key_hi,
+        softcap=softcap,
     )
     return out, lse

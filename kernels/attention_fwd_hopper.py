@@ -3,7 +3,8 @@ consumer warpgroups, the in-kernel merge into float32 accumulators kept.
 
 Same contract and numerics as `attention_fwd` (online softmax in base 2, rows that see no key come out
 `(0, -inf)`, the ring's running state folded in the epilogue), for the cases where it pays: bf16/fp16,
-head dims 64 and 128, dense, causal or interval-masked blocks (windows, packed documents).
+head dims 64 and 128 (and Q/K 192 with V 128, MLA's; 128 with V 64), dense, causal or interval-masked blocks
+(windows, packed documents), logit softcapping included.
 `attention_fwd`'s launcher routes here on sm_90 and keeps its own Triton kernel for everything else (and
 for the CPU interpreter, which does not run Gluon).
 
@@ -38,7 +39,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ringlse.kernels.attention_common import interval_tile_range, query_tile_key_range, softmax_step, tile_visible
+from ringlse.kernels.attention_common import (
+    interval_tile_range,
+    query_tile_key_range,
+    softcap_mode,
+    softcap_scores,
+    softmax_step,
+    tile_visible,
+)
 from ringlse.kernels.host import rows_view, tma_indexable
 from ringlse.kernels.merge_math import merge_finish, merge_fold
 
@@ -149,14 +157,18 @@ def _load_tile(descs, smem, bars, info, t, it, count, walk,
     with the tile before last's, then K and V tile by tile, a slot reused once the consumers released it.
     Returns the ring position after it."""
     q_desc, k_desc, v_desc = descs
+    HEAD_DV: gl.constexpr = v_desc.block_type.shape[1]
     q_smem, k_smem, v_smem, _, _, _ = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     SQ = walk[3]
     SK = walk[4]
-    STAGES: gl.constexpr = k_smem.type.shape[0]
+    # Q and K in head-dim chunks (one for 64 and 128; 192 is no TMA box: boxes are powers of two)
+    CHUNK: gl.constexpr = q_smem.type.shape[2]
+    QK_CHUNKS: gl.constexpr = HEAD_D // CHUNK
+    STAGES: gl.constexpr = k_smem.type.shape[0] // QK_CHUNKS
     Q_SLOTS: gl.constexpr = q_ready.type.shape[0]
-    # Q in 64-row pieces, one per consumer (a 192-row tile is no TMA box: boxes are powers of two)
-    CONSUMERS: gl.constexpr = q_smem.type.shape[0] // Q_SLOTS
+    # Q in 64-row pieces, one per consumer (a 192-row tile is no TMA box either)
+    CONSUMERS: gl.constexpr = q_smem.type.shape[0] // (Q_SLOTS * QK_CHUNKS)
     ROWS: gl.constexpr = q_smem.type.shape[1]
     off_b, off_h, off_hk, m0, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL,
                                                                            INTERVALS)
@@ -165,20 +177,23 @@ def _load_tile(descs, smem, bars, info, t, it, count, walk,
     qs = count % Q_SLOTS
     # a fresh mbarrier counts as having completed phase 1: the first waits on "empty" return at once
     mbarrier.wait(q_empty.index(qs), ((count // Q_SLOTS) & 1) ^ 1)
-    mbarrier.expect(q_ready.index(qs), CONSUMERS * q_desc.block_type.nbytes)
+    mbarrier.expect(q_ready.index(qs), CONSUMERS * QK_CHUNKS * q_desc.block_type.nbytes)
     for c in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [off_b * SQ + m0 + c * ROWS, off_h * HEAD_D], q_ready.index(qs),
-                                        q_smem.index(qs * CONSUMERS + c))
+        for j in gl.static_range(QK_CHUNKS):
+            tma.async_copy_global_to_shared(q_desc, [off_b * SQ + m0 + c * ROWS, off_h * HEAD_D + j * CHUNK],
+                                            q_ready.index(qs), q_smem.index((qs * CONSUMERS + c) * QK_CHUNKS + j))
     for i in range(n_tiles):
         s = (it + i) % STAGES
         ph = (((it + i) // STAGES) & 1) ^ 1
         row = off_b * SK + n_lo + i * BLOCK_N
         mbarrier.wait(k_empty.index(s), ph)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, off_hk * HEAD_D], k_ready.index(s), k_smem.index(s))
+        mbarrier.expect(k_ready.index(s), QK_CHUNKS * k_desc.block_type.nbytes)
+        for j in gl.static_range(QK_CHUNKS):
+            tma.async_copy_global_to_shared(k_desc, [row, off_hk * HEAD_D + j * CHUNK], k_ready.index(s),
+                                            k_smem.index(s * QK_CHUNKS + j))
         mbarrier.wait(v_empty.index(s), ph)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, off_hk * HEAD_D], v_ready.index(s), v_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [row, off_hk * HEAD_DV], v_ready.index(s), v_smem.index(s))
     return it + n_tiles
 
 
@@ -216,10 +231,12 @@ def _fwd_load(descs, smem, bars, info, walk,
 
 
 @gluon.jit
-def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, OFFSET, qk_scale, row_lo, row_hi,
-                  CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, LAZY: gl.constexpr):
+def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, OFFSET, qk_scale, softcap, row_lo,
+                  row_hi, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, LAZY: gl.constexpr, SOFTCAP: gl.constexpr):
     """One key tile's online-softmax step in base 2: `(p, m_new, l_new, alpha)`; the tile is masked unless
-    it lies inside `[full_lo, full_hi)`."""
+    it lies inside `[full_lo, full_hi)`. SOFTCAP caps the scores first (`softcap_scores`)."""
+    if SOFTCAP:
+        qk, qk_scale = softcap_scores(qk, qk_scale, softcap, SOFTCAP)
     if (start_n < full_lo) | (start_n + qk.shape[1] > full_hi):
         offs_n = start_n + offs_n0
         visible = tile_visible(offs_m, offs_n, offs_n < SK, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS)
@@ -230,6 +247,16 @@ def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, 
 
 
 @gluon.jit
+def _qk_issue(q_smem, qb, k_smem, kb, s_zero, QK_CHUNKS: gl.constexpr):
+    """`S = Q K^T` issued asynchronously as one WGMMA per head-dim chunk, Q's chunks at `q_smem[qb:]`, K's
+    at `k_smem[kb:]`."""
+    qk = warpgroup_mma(q_smem.index(qb), k_smem.index(kb).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    for j in gl.static_range(1, QK_CHUNKS):
+        qk = warpgroup_mma(q_smem.index(qb + j), k_smem.index(kb + j).permute((1, 0)), qk, is_async=True)
+    return qk
+
+
+@gluon.jit
 def _lse_rows(Lse, strides, off_b, off_h, rows):
     """The lse's addresses for `rows` of head `off_h` of batch element `off_b`."""
     _, _, _, stride_lb, stride_lh, stride_ls = strides
@@ -237,10 +264,10 @@ def _lse_rows(Lse, strides, off_b, off_h, rows):
 
 
 @gluon.jit
-def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, qk_scale,
+def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, qk_scale, softcap,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                   CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, TMA_STORE: gl.constexpr,
-                  STATE_TMA: gl.constexpr):
+                  STATE_TMA: gl.constexpr, SOFTCAP: gl.constexpr):
     """A consumer warpgroup's share of work tile `tile = (t, n_lo, full_lo, full_hi, n_tiles)` (the
     `count`-th of its program, its first K/V tile the `it`-th through the ring): its 64 query rows (the
     `WG`-th slice) through every key tile, then its own epilogue (the running state folded in with ACCUM;
@@ -250,10 +277,13 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls = strides
     num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL, LG_HEADS = walk
     t, n_lo, full_lo, full_hi, n_tiles = tile
-    STAGES: gl.constexpr = k_smem.type.shape[0]
+    QK_CHUNKS: gl.constexpr = HEAD_D // q_smem.type.shape[2]  # (see `_load_tile`)
+    STAGES: gl.constexpr = k_smem.type.shape[0] // QK_CHUNKS
     Q_SLOTS: gl.constexpr = q_ready.type.shape[0]
-    CONSUMERS: gl.constexpr = q_smem.type.shape[0] // Q_SLOTS
+    CONSUMERS: gl.constexpr = q_smem.type.shape[0] // (Q_SLOTS * QK_CHUNKS)
     ROWS: gl.constexpr = q_smem.type.shape[1]
+    # V and O have their own head dim (MLA: Q/K 192, V 128)
+    HEAD_DV: gl.constexpr = v_smem.type.shape[2]
     # lazy maxima (FlashAttention-4's conditional rescaling) in 128-row tiles: x1.004-1.020 on H200, 64
     # documents of 512 x0.991; 192-row tiles (head dim
     # 64) spill 56 B more with them (ptxas), so they rescale every key tile
@@ -263,16 +293,17 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
+                                                       instr_shape=[16, HEAD_DV, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = v_smem.dtype
     qs = count % Q_SLOTS
-    q_rows = q_smem.index(qs * CONSUMERS + WG)
+    qb = (qs * CONSUMERS + WG) * QK_CHUNKS
+    q_rows = q_smem.index(qb)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     offs_n0 = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-    offs_d = gl.arange(0, HEAD_D, gl.SliceLayout(0, o_layout))
+    offs_d = gl.arange(0, HEAD_DV, gl.SliceLayout(0, o_layout))
     off_b, off_h, off_hk, m0 = _tile_coords(t, walk, BLOCK_M, CAUSAL or INTERVALS)
     r0 = m0 + WG * ROWS
     offs_m = r0 + gl.arange(0, ROWS, row_layout)
@@ -286,7 +317,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
         row_hi = offs_m
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
-    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    acc = gl.zeros([ROWS, HEAD_DV], gl.float32, o_layout)
     mbarrier.wait(q_ready.index(qs), (count // Q_SLOTS) & 1)
     if STATE_TMA:
         # the running state on its way while the key tiles run: O by TMA into this warpgroup's float32
@@ -296,7 +327,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
         st = st_smem.index(WG)
         tma.store_wait(0)  # (persistent programs: the tile before's state has left the buffer)
         mbarrier.expect(st_bar.index(WG), o_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(o_desc, [off_b * SQ + r0, off_h * HEAD_D], st_bar.index(WG), st)
+        tma.async_copy_global_to_shared(o_desc, [off_b * SQ + r0, off_h * HEAD_DV], st_bar.index(WG), st)
         rows_o = r0 + gl.arange(0, ROWS, orow_layout)
         old2 = gl.load(_lse_rows(Lse, strides, off_b, off_h, rows_o), mask=rows_o < SQ,
                        other=float("-inf")) * 1.4426950408889634
@@ -305,19 +336,19 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
         # the softmax of tile i runs while the tensor cores do P V of tile i-1 (600 against 577 TFLOP/s
         # without, hd 128, S 8K, H200)
         s = it % STAGES
-        k_buf = k_smem.index(s)
+        k_buf = k_smem.index(s * QK_CHUNKS)
         mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
-        qk = warpgroup_mma(q_rows, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = _qk_issue(q_smem, qb, k_smem, s * QK_CHUNKS, s_zero, QK_CHUNKS)
         qk, _, _ = warpgroup_mma_wait(0, deps=[qk, q_rows, k_buf])
         mbarrier.arrive(k_empty.index(s), count=1)
         p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, n_lo, full_lo, full_hi, SK, OFFSET,
-                                           qk_scale, row_lo, row_hi, CAUSAL, INTERVALS, LAZY)
+                                           qk_scale, softcap, row_lo, row_hi, CAUSAL, INTERVALS, LAZY, SOFTCAP)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for i in range(1, n_tiles):
             s = (it + i) % STAGES
-            k_buf = k_smem.index(s)
+            k_buf = k_smem.index(s * QK_CHUNKS)
             mbarrier.wait(k_ready.index(s), ((it + i) // STAGES) & 1)
-            qk = warpgroup_mma(q_rows, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            qk = _qk_issue(q_smem, qb, k_smem, s * QK_CHUNKS, s_zero, QK_CHUNKS)
             sp = (it + i - 1) % STAGES
             v_buf = v_smem.index(sp)
             mbarrier.wait(v_ready.index(sp), ((it + i - 1) // STAGES) & 1)
@@ -326,7 +357,8 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
             mbarrier.arrive(k_empty.index(s), count=1)
             m_old = m_i
             p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, n_lo + i * BLOCK_N, full_lo, full_hi,
-                                               SK, OFFSET, qk_scale, row_lo, row_hi, CAUSAL, INTERVALS, LAZY)
+                                               SK, OFFSET, qk_scale, softcap, row_lo, row_hi, CAUSAL, INTERVALS, LAZY,
+                                               SOFTCAP)
             if LAZY:
                 # alpha is 1 in every row whose max stayed: most tiles skip the rescaling, a branch the
                 # warpgroup must take as one. Each warp reduces its own 16 rows (shuffles only) and its
@@ -334,7 +366,8 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
                 # two barriers a key tile; a reduction over the warpgroup's 64 rows cost three and
                 # ran x0.95-1.01)
                 flags.store(gl.max(gl.reshape((m_i != m_old).to(gl.int32), [4, ROWS // 4]), 1))
-            acc, _ = warpgroup_mma_wait(0, deps=[acc, v_buf])
+            # (not `_`, which carries K's slot through the loop: V's differs where it has its own head dim)
+            acc, _v = warpgroup_mma_wait(0, deps=[acc, v_buf])
             mbarrier.arrive(v_empty.index(sp), count=1)
             if LAZY:
                 if gl.max(flags.load(flag_layout), 0) > 0:
@@ -367,7 +400,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     o_ptrs = (Out + off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
               + offs_mo[:, None].to(gl.int64) * stride_os + offs_d[None, :])
     lse_ptrs = _lse_rows(Lse, strides, off_b, off_h, offs_mo)
-    o_mask = m_ok[:, None] & (offs_d[None, :] < HEAD_D)
+    o_mask = m_ok[:, None] & (offs_d[None, :] < HEAD_DV)
     if STATE_TMA:
         mbarrier.wait(st_bar.index(WG), count & 1)
         m_o, l_o, acc = merge_fold(m_o, l_o, acc, old2, st.load(o_layout), True)
@@ -382,7 +415,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
         # back through the same buffer (TMA clips rows past the end); the lse goes while TMA reads it
         st.store(out)
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [off_b * SQ + r0, off_h * HEAD_D], st)
+        tma.async_copy_shared_to_global(o_desc, [off_b * SQ + r0, off_h * HEAD_DV], st)
         gl.store(lse_ptrs, lse2 * 0.6931471805599453, mask=m_ok)
     elif TMA_STORE:
         # one bulk copy instead of 32 scattered 4-byte stores per thread: the epilogue took ~1.7 us per
@@ -391,7 +424,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
         # Waiting for the copy during the next tile's first S instead measured the same)
         q_rows.store(out.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [off_b * SQ + r0, off_h * HEAD_D], q_rows)
+        tma.async_copy_shared_to_global(o_desc, [off_b * SQ + r0, off_h * HEAD_DV], q_rows)
         tma.store_wait(0)
         mbarrier.arrive(q_empty.index(qs), count=1)
     else:
@@ -402,10 +435,10 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
 
 
 @gluon.jit
-def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale,
+def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, softcap,
                  WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                  CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, TMA_STORE: gl.constexpr,
-                 STATE_TMA: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+                 STATE_TMA: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SOFTCAP: gl.constexpr):
     """A consumer warpgroup: its program's work tiles one after the other (DYNAMIC: the ones the loader
     hands it)."""
     it = 0
@@ -415,8 +448,8 @@ def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale,
         # registers the main loop spilled at head dim 64)
         while _peek(info, count) >= 0:
             it = _consume_tile(smem, bars, Out, o_desc, Lse, strides, _receive(info, count), it, count, walk,
-                               qk_scale, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE,
-                               STATE_TMA)
+                               qk_scale, softcap, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE,
+                               STATE_TMA, SOFTCAP)
             count += 1
     elif PERSISTENT:
         # (a tile index that is arithmetic on the program id keeps the walk out of registers: read from
@@ -424,15 +457,16 @@ def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale,
         for t in range(gl.program_id(0), walk[9], gl.num_programs(0)):
             _, _, _, _, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS)
             it = _consume_tile(smem, bars, Out, o_desc, Lse, strides, (t, n_lo, full_lo, full_hi, n_tiles), it,
-                               count, walk, qk_scale, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM,
-                               TMA_STORE, STATE_TMA)
+                               count, walk, qk_scale, softcap, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS,
+                               ACCUM, TMA_STORE, STATE_TMA, SOFTCAP)
             count += 1
     else:
         # one tile: ring positions known at compile time (a loop of one ran 1.5-2% slower, d 128 causal)
         t = gl.program_id(0)
         _, _, _, _, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS)
         _consume_tile(smem, bars, Out, o_desc, Lse, strides, (t, n_lo, full_lo, full_hi, n_tiles), 0, 0, walk,
-                      qk_scale, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA)
+                      qk_scale, softcap, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA,
+                      SOFTCAP)
     if STATE_TMA:
         # the last state store must have read its buffer before the program ends (persistent programs
         # wait only when the buffer is wanted again: the next tile's epilogue runs while it drains)
@@ -443,14 +477,16 @@ def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale,
 def _attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, Out, Lse,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-    B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi, Counter, LG_HEADS,
+    B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi, Counter, LG_HEADS, softcap,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr,
     DYNAMIC: gl.constexpr, TMA_STORE: gl.constexpr, STATE_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):
     """Persistent: `min(#SMs, work tiles)` programs walk the `cdiv(SQ, BLOCK_M) * B * H` work tiles
     round-robin, or (DYNAMIC) take them from `Counter` (int32, 0 at launch); else one program per work tile.
-    Descriptors over `[B * S, heads * HEAD_D]` views (Q's box 64 rows). `BLOCK_M / 64` consumer
+    Descriptors over `[B * S, heads * head dim]` views (Q's box 64 rows; V and O may have their own head
+    dim, from their descriptors). SOFTCAP (`softcap_mode`) caps the scores at `softcap`. `BLOCK_M / 64` consumer
     warpgroups (the default partition and one or two workers, 4 warps each, which never wait for each
     other) and a loader warp; `num_warps` must be 4."""
     num_m = gl.cdiv(SQ, BLOCK_M)
@@ -459,8 +495,11 @@ def _attn_fwd_hopper_kernel(
     # two Q slots in persistent programs: the next tile's Q lands while this one runs (one with the
     # merging forward's state buffer, for shared memory; it is freed after the tile's last S)
     Q_SLOTS: gl.constexpr = 2 if PERSISTENT and not STATE_TMA else 1
-    q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS * CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    # Q and K in head-dim chunks of their descriptors' boxes (see `_load_tile`)
+    QK_CHUNKS: gl.constexpr = HEAD_D // q_desc.block_type.shape[1]
+    q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS * CONSUMERS * QK_CHUNKS] + q_desc.block_type.shape,
+                                       q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -503,22 +542,27 @@ def _attn_fwd_hopper_kernel(
     # (tuples built by `+` do not reach the partitions: every argument list is written out)
     if CONSUMERS == 2:
         gl.warp_specialize((
-            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N,
-                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC)),
-            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N,
-                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC)),
+            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, softcap, 0, BLOCK_M,
+                            BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC,
+                            SOFTCAP)),
+            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, softcap, 1, BLOCK_M,
+                            BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC,
+                            SOFTCAP)),
             (_fwd_load, (descs, smem, bars, info, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, PERSISTENT,
                          DYNAMIC)),
         ), [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.static_assert(CONSUMERS == 3)
         gl.warp_specialize((
-            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 0, BLOCK_M, BLOCK_N,
-                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC)),
-            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 1, BLOCK_M, BLOCK_N,
-                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC)),
-            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, 2, BLOCK_M, BLOCK_N,
-                            HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC)),
+            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, softcap, 0, BLOCK_M,
+                            BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC,
+                            SOFTCAP)),
+            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, softcap, 1, BLOCK_M,
+                            BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC,
+                            SOFTCAP)),
+            (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, softcap, 2, BLOCK_M,
+                            BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC,
+                            SOFTCAP)),
             (_fwd_load, (descs, smem, bars, info, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, PERSISTENT,
                          DYNAMIC)),
         ), [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -528,6 +572,9 @@ def _attn_fwd_hopper_kernel(
 # launcher
 
 HEAD_DIMS = (64, 128)
+# (Q/K head dim, V head dim) pairs of the forward: equal ones, and V's own (MLA's 192 / 128); 192 fits
+# shared memory with one Q slot and no float32 state buffer (48 + 96 KB of Q and K stages, 64 KB of V)
+FWD_HEAD_DIMS = {(64, 64), (128, 128), (128, 64), (192, 128)}
 BLOCK_N = 128  # 64-key tiles (3 stages) ran at 0.84-0.90x the speed of 128 (H200)
 STAGES = 2  # 3 stages measured the same as 2 (within 1%) with more shared memory
 
@@ -548,6 +595,9 @@ CONFIGS = {
     (64, True): HopperConfig(192, False),
     (128, False): HopperConfig(128, True),
     (128, True): HopperConfig(128, False),
+    # not timed: one program per tile (persistent programs' second Q slot does not fit beside 192's K)
+    (192, False): HopperConfig(128, False),
+    (192, True): HopperConfig(128, False),
 }
 # the merging forward (float32 state by TMA, 128-row tiles) over causal blocks of up to 16K keys: persistent
 # programs taking tiles from a counter, whose state stores drain while the next tile runs (time over the
@@ -560,7 +610,7 @@ MERGE_PERSISTENT_KEYS = 16384
 # tile's walk (its row bounds' loads) and loads hidden behind the tile before: 1.01-1.09x one program
 # per tile (H200); 128 rows (192 at d 64 spills ~220 B with the bounds in
 # registers: ptxas)
-INTERVAL_CONFIGS = {64: HopperConfig(128, True), 128: HopperConfig(128, True)}
+INTERVAL_CONFIGS = {64: HopperConfig(128, True), 128: HopperConfig(128, True), 192: HopperConfig(128, False)}
 
 
 def _gluon_supported() -> bool:
@@ -569,17 +619,20 @@ def _gluon_supported() -> bool:
     return (major, minor) >= (3, 6)
 
 
-def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether `hopper_forward` takes these inputs: a CUDA sm_90 device, bf16/fp16, head dim 64 or 128,
-    and `[b, s, heads, d]` strides that TMA can index as rows (16-byte aligned)."""
-    return tma_rows_apply(q, k, v)
+def hopper_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float = 0.0) -> bool:
+    """Whether `hopper_forward` takes these inputs: a CUDA sm_90 device, bf16/fp16, head dims (Q/K, V) in
+    FWD_HEAD_DIMS, and `[b, s, heads, d]` strides that TMA can index as rows (16-byte aligned); any softcap."""
+    if (q.shape[-1], v.shape[-1]) not in FWD_HEAD_DIMS:
+        return False
+    return tma_rows_apply(q, k, v, head_dims=(q.shape[-1],))
 
 
-def tma_rows_apply(*tensors: torch.Tensor) -> bool:
+def tma_rows_apply(*tensors: torch.Tensor, head_dims: tuple = HEAD_DIMS) -> bool:
     """Whether the Hopper kernels take these `[b, s, heads, d]` tensors (the first one's dtype): a CUDA
-    sm_90 device, bf16/fp16, head dim 64 or 128, strides that TMA can index as rows (16-byte aligned)."""
+    sm_90 device, bf16/fp16, the first one's head dim in `head_dims`, strides that TMA can index as rows
+    (16-byte aligned)."""
     q = tensors[0]
-    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in HEAD_DIMS:
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in head_dims:
         return False
     if not _gluon_supported():
         return False
@@ -591,38 +644,46 @@ def tma_rows_apply(*tensors: torch.Tensor) -> bool:
 def hopper_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
     softmax_scale: float, causal: bool, offset: int, accum: bool, config: HopperConfig | None = None,
-    key_lo: torch.Tensor | None = None, key_hi: torch.Tensor | None = None,
+    key_lo: torch.Tensor | None = None, key_hi: torch.Tensor | None = None, softcap: float = 0.0,
 ) -> None:
     """Launch the Hopper forward, writing (or merging into, with `accum`) `out`/`lse`. The caller has
     checked `hopper_forward_applies`, validated the arguments, made `softmax_scale >= 0` and `offset` a
     32-bit mask offset, and `sq, sk > 0`; with `key_lo`/`key_hi` (contiguous int32 `[sq]`, see
-    `attention_fwd.attention_forward`) `causal` is False. `config` (benchmarks only) replaces the table's."""
+    `attention_fwd.attention_forward`) `causal` is False; `softcap >= 0` (0: none). `config` (benchmarks
+    only) replaces the table's."""
     b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     intervals = key_lo is not None
     table = MERGE_CONFIGS if accum and sk <= MERGE_PERSISTENT_KEYS else CONFIGS
     cfg = config if config is not None else (INTERVAL_CONFIGS[d] if intervals else table[(d, causal)])
     block_m, block_n, persistent = cfg.block_m, BLOCK_N, cfg.persistent
     # O through TMA (non-merging 128-row tiles): 1.01-1.09x on H200 (masks, dense d 128); the 192-row (d 64)
     # tiles lost with it, 0.92-0.96x at S 8K (88 B of spills persistent)
-    tma_store = block_m == 128 and not accum and out.dtype == q.dtype and tma_indexable(out)
-    state_tma = block_m == 128 and accum and out.dtype == torch.float32 and tma_indexable(out)
+    # (O is staged in Q's shared memory: only where they have one head dim; the state buffer does not fit
+    # beside head dim 192's Q and K)
+    tma_store = block_m == 128 and not accum and out.dtype == q.dtype and tma_indexable(out) and dv == d
+    state_tma = block_m == 128 and accum and out.dtype == torch.float32 and tma_indexable(out) and d <= 128
     if b > 1 and (sk % block_n or ((tma_store or state_tma) and sq % block_m)):
         # the descriptors see the batch as one [b * s] matrix: a partial last key tile would read the next
         # element's first keys (masked, but a NaN or inf there would still reach P V), a partial last O
         # tile would overwrite its first rows; one launch per element lets TMA fill and clip at the end
         for i in range(b):
             hopper_forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], out[i:i + 1], lse[i:i + 1], softmax_scale=softmax_scale,
-                           causal=causal, offset=offset, accum=accum, config=config, key_lo=key_lo, key_hi=key_hi)
+                           causal=causal, offset=offset, accum=accum, config=config, key_lo=key_lo, key_hi=key_hi,
+                           softcap=softcap)
         return
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     descs = []
-    # O's descriptor: Q's box over `out` (Q's own, unused, without either TMA path; float32 for the state)
-    for t, rows in ((q, 64), (k, block_n), (v, block_n), (out if tma_store or state_tma else q, 64)):
+    # O's descriptor: over `out` for either TMA path (float32 for the state); otherwise unused, over Q
+    # Q's and K's boxes: head-dim chunks of 64 where it is no power of two (192)
+    chunk = d if d & (d - 1) == 0 else 64
+    o_tma = tma_store or state_tma
+    for t, rows, cols in ((q, 64, chunk), (k, block_n, chunk), (v, block_n, dv),
+                          (out if o_tma else q, 64, dv if o_tma else chunk)):
         shape, strides = rows_view(t)
         elem = gl.float32 if t.dtype == torch.float32 else gl_dtype
-        layout = gl.NVMMASharedLayout.get_default_for([rows, d], elem)
-        descs.append(TensorDescriptor(t, shape, strides, [rows, d], layout))
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], elem)
+        descs.append(TensorDescriptor(t, shape, strides, [rows, cols], layout))
     consumers = block_m // 64
     # 2 consumers: 12 warps (the loader's warpgroup padded) x 168 registers = 240 per consumer thread, 24 for
     # the loader; 3 consumers: 16 warps x 128, 160 per worker consumer
@@ -636,10 +697,10 @@ def hopper_forward(
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         b, h, h // hkv, sq, sk, offset, softmax_scale * 1.4426950408889634, key_lo, key_hi,
         torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse,
-        heads_log2(b * h, 2 * sk * d * k.element_size()),
+        heads_log2(b * h, sk * (d + dv) * k.element_size()), float(softcap),
         HEAD_D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, CAUSAL=causal, INTERVALS=intervals, ACCUM=accum,
         PERSISTENT=persistent, DYNAMIC=dynamic, TMA_STORE=tma_store, STATE_TMA=state_tma, CONSUMER_REGS=regs,
-        num_warps=4, maxnreg=maxnreg,
+        SOFTCAP=softcap_mode(softcap, q.dtype, "hopper_forward"), num_warps=4, maxnreg=maxnreg,
     )
 
 
