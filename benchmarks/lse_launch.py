@@ -50,6 +50,28 @@ OPS = ("softmax", "log_softmax", "logsumexp")
 LOG_BMM = [(8, 128, 256, 64), (4, 512, 512, 512)]  # (B, N, M, P): the README's example and a larger one
 
 
+def summarize(result: dict) -> None:
+    """The verdict over `result["cases"]` (also for a file whose run was cut short): `best`,
+    `control_saving_range`, `savings`, `keep_fast_launcher`, `verdict`."""
+    done = [r for r in result["cases"] if "error" not in r]
+    # (a case whose calls the launcher makes no launch of cannot be bought anything by it)
+    users = [r for r in done if not r.get("control") and r["launcher_launches_per_call"]]
+    best = max(users, key=lambda r: r["saving"])
+    control = [r["saving"] for r in done if r.get("control")]
+    result["best"] = {k: best[k] for k in ("op", "shape", "dtype", "direction", "loop_us", "saving")}
+    result["control_saving_range"] = [min(control), max(control)] if control else None
+    result["savings"] = [  # every case, largest saving first: the table to read
+        f"{r['saving']:+.1%} {r['op']} {'x'.join(map(str, r['shape']))} {r['dtype']} {r['direction']}"
+        f"{' (control)' if r.get('control') else ''}: {r['loop_us']['fast']:.1f} vs {r['loop_us']['triton']:.1f} us"
+        for r in sorted(done, key=lambda r: -r["saving"])]
+    result["keep_fast_launcher"] = best["saving"] >= BAR
+    result["verdict"] = (
+        f"keep the launcher: {best['saving']:.1%} saved on {best['op']} {best['shape']} {best['dtype']} "
+        f"{best['direction']} (bar {BAR:.0%})" if result["keep_fast_launcher"] else
+        f"drop the launcher: at most {best['saving']:.1%} saved ({best['op']} {best['shape']} {best['dtype']} "
+        f"{best['direction']}; bar {BAR:.0%})")
+
+
 def _set_fast(on: bool) -> None:
     launcher.FAST_PATH = on  # (read at every launch)
 
@@ -155,23 +177,7 @@ def launch_ab(out_dir: str) -> dict:
                   f" {rec['launcher_launches_per_call']} launches)", flush=True)
             with open(path, "w") as f:
                 json.dump(result, f, indent=1)
-        done = [r for r in result["cases"] if "error" not in r]
-        # (a case whose calls the launcher makes no launch of cannot be bought anything by it)
-        users = [r for r in done if not r.get("control") and r["launcher_launches_per_call"]]
-        best = max(users, key=lambda r: r["saving"])
-        control = [r["saving"] for r in done if r.get("control")]
-        result["best"] = {k: best[k] for k in ("op", "shape", "dtype", "direction", "loop_us", "saving")}
-        result["control_saving_range"] = [min(control), max(control)] if control else None
-        result["savings"] = [  # every case, largest saving first: the table to read
-            f"{r['saving']:+.1%} {r['op']} {'x'.join(map(str, r['shape']))} {r['dtype']} {r['direction']}"
-            f"{' (control)' if r.get('control') else ''}: {r['loop_us']['fast']:.1f} vs {r['loop_us']['triton']:.1f} us"
-            for r in sorted(done, key=lambda r: -r["saving"])]
-        result["keep_fast_launcher"] = best["saving"] >= BAR
-        result["verdict"] = (
-            f"keep the launcher: {best['saving']:.1%} saved on {best['op']} {best['shape']} {best['dtype']} "
-            f"{best['direction']} (bar {BAR:.0%})" if result["keep_fast_launcher"] else
-            f"drop the launcher: at most {best['saving']:.1%} saved ({best['op']} {best['shape']} {best['dtype']} "
-            f"{best['direction']}; bar {BAR:.0%})")
+        summarize(result)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(result["verdict"])
