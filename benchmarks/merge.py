@@ -1,7 +1,7 @@
 """Fused merge bandwidth against the device copy and the eager PyTorch merge (CONVENTIONS.md §8, §9).
 
 For each shape: the in-place `update_out_and_lse(..., inplace=True)` (fused Triton kernel), the eager
-PyTorch merge (`ringlse.merge._MergeStates`, what `update_out_and_lse` runs without the kernel), and a
+PyTorch merge (`ringlse.merge_states._MergeStates`, what `update_out_and_lse` runs without the kernel), and a
 device copy `dst.copy_(src)` of a 1 GiB buffer as the bandwidth ceiling. Bytes counted (CONVENTIONS.md §9):
 read state out (fp32) + block out + state lse + block lse, write state out + state lse.
 Times are `triton.testing.do_bench` medians (it flushes L2 before each run; every state here is
@@ -26,7 +26,7 @@ import triton
 from triton.testing import do_bench
 
 from ringlse.kernels import merge as km
-from ringlse.merge import _MergeStates, merge_attn_states, update_out_and_lse
+from ringlse.merge_states import _MergeStates, merge_attn_states, update_out_and_lse
 
 MAIN = ((1, 32768, 32, 128), torch.bfloat16)
 SHAPES = [

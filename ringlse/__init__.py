@@ -9,7 +9,7 @@ from ringlse import testing
 from ringlse.attention import attention, block_attention, chunked_attention, varlen_attention
 from ringlse.blocks import available_backends, get_block_op
 from ringlse.lse import log_bmm, log_softmax, logsumexp, softmax
-from ringlse.merge import merge_attn_states, update_out_and_lse
+from ringlse.merge_states import merge_attn_states, update_out_and_lse
 from ringlse.reference import reference_attention
 from ringlse.ring import nccl_options, ring_attention, shard, tune_nccl_env, unshard
 

@@ -26,7 +26,7 @@ import torch
 
 from ringlse.checks import lse_dtype
 from ringlse.kernel_import import kernel_module
-from ringlse.merge import merge_weights
+from ringlse.merge_formula import merge_weights
 
 LN2 = math.log(2.0)
 LSE_LAYOUTS = ("heads_first", "tokens_first")

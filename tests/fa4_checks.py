@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import ringlse
-from ringlse.merge import merge_attn_states
+from ringlse.merge_states import merge_attn_states
 from ringlse.reference import reference_attention
 from ringlse.testing import assert_judged, naive_attention
 

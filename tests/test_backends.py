@@ -24,7 +24,7 @@ import ringlse
 from ringlse.blocks import flash as block_flash, sdpa as block_sdpa
 from ringlse.blocks import available_backends, get_block_op
 from ringlse.blocks.torch_math import torch_block_backward, torch_block_forward
-from ringlse.merge import merge_attn_states
+from ringlse.merge_states import merge_attn_states
 from ringlse.reference import reference_attention
 from ringlse.testing import assert_judged, naive_attention
 

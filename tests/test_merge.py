@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringlse.merge import merge_attn_states, update_out_and_lse
+from ringlse.merge_states import merge_attn_states, update_out_and_lse
 from ringlse.reference import reference_attention
 from ringlse.testing import assert_judged
 

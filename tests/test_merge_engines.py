@@ -32,7 +32,7 @@ import torch
 
 import ringlse
 from ringlse import merge_states as ms
-from ringlse.merge import merge_attn_states, update_out_and_lse
+from ringlse.merge_states import merge_attn_states, update_out_and_lse
 
 F64 = torch.float64
 NEG_INF = float("-inf")

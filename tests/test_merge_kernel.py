@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringlse import merge as merge_mod
-from ringlse.merge import merge_attn_states, update_out_and_lse
+from ringlse import merge_states as merge_mod
+from ringlse.merge_states import merge_attn_states, update_out_and_lse
 
 pytest.importorskip("triton")
 # not importorskip: with triton present, a missing ringlse.kernels is a broken install and must fail

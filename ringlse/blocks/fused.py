@@ -26,7 +26,8 @@ from ringlse.blocks.contract import BlockGrads, BlockOp, Capabilities, Parts
 from ringlse.merge import GradPart, StatePart
 from ringlse.checks import lse_dtype
 from ringlse.masks import Piece, split_causal_block
-from ringlse.merge import add_parts, merge_parts, update_out_and_lse
+from ringlse.merge import add_parts, merge_parts
+from ringlse.merge_states import update_out_and_lse
 
 
 def norm_lse(lse: torch.Tensor, sq: int) -> torch.Tensor:
