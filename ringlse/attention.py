@@ -12,14 +12,19 @@ import torch
 from ringlse import ops
 from ringlse.blocks.contract import BlockOp
 from ringlse.checks import check_flag, check_tensors
+from ringlse.sinks import check_sinks
 from ringlse.specs import AttentionSpec
 
 
-def _attend(q, k, v, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out, lse)` of one call. Non-tensors and tensors on several devices are refused before the op,
-    whose dispatcher would answer them first; every other check runs inside it."""
+    whose dispatcher would answer them first (and malformed sinks, which it never sees); every other
+    check runs inside it."""
     check_tensors(q, k, v, spec.what)
-    return ops.attend(q, k, v, spec)
+    problem = check_sinks(sinks, q, spec.what)
+    if problem is not None:
+        raise ValueError(problem)
+    return ops.attend(q, k, v, spec, sinks)
 
 
 def block_attention(
@@ -34,6 +39,7 @@ def block_attention(
     window_size: tuple[int, int] = (-1, -1),
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     backend: str | BlockOp = "auto",
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block of queries to one block of keys at global positions, with its lse.
 
@@ -52,18 +58,22 @@ def block_attention(
             `triton`, `sdpa`, `flash`, `torch`, or a `BlockOp`. Windows need `torch` (or a backend
             that takes intervals); documents work everywhere (cut into per-document calls where the
             backend takes no intervals).
+        sinks: learnable attention sinks `[nheads]` (GPT-OSS's `s_aux`), one logit per query head
+            added to every row's softmax denominator (`ringlse.sinks`); differentiable. Blocks that
+            are merged later must carry them once: pass them to one block, or merge a sink state.
 
     Returns:
         `(out, lse)`: `out` like `q`; `lse` `[batch, nheads, seqlen_q]` float32 (float64 for float64),
-        `-inf` with `out = 0` on rows that see no key. Both are differentiable, so blocks merged with
-        `merge_attn_states` backpropagate exactly.
+        `-inf` with `out = 0` on rows that see no key (with sinks the lse includes the sink, and such
+        rows get `lse = sink`). Both are differentiable, so blocks merged with `merge_attn_states`
+        backpropagate exactly.
 
     Raises:
         ValueError / TypeError: malformed inputs or options, or a backend that cannot run the call.
     """
     spec = AttentionSpec.make("block_attention", causal=causal, softmax_scale=softmax_scale, q_start=q_start,
                               k_start=k_start, window_size=window_size, cu_seqlens=cu_seqlens, backend=backend)
-    return _attend(q, k, v, spec)
+    return _attend(q, k, v, spec, sinks)
 
 
 def attention(
@@ -77,13 +87,14 @@ def attention(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str | BlockOp = "auto",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Single-device softmax attention; causal masks and windows align bottom-right when
     `seqlen_q != seqlen_k` (query `i` at position `seqlen_k - seqlen_q + i`, key `j` at `j`).
 
     Args:
         q: `[batch, seqlen_q, nheads, headdim]`; k, v: `[batch, seqlen_k, nheads_kv, headdim]`.
-        causal, softmax_scale, window_size, backend: as in `block_attention`.
+        causal, softmax_scale, window_size, backend, sinks: as in `block_attention`.
         cu_seqlens: document boundaries over key positions `[0, ..., seqlen_k]` (a last boundary
             past `seqlen_k` is allowed).
         return_lse: also return lse `[batch, nheads, seqlen_q]`.
@@ -94,7 +105,7 @@ def attention(
     check_flag(return_lse, "return_lse", "attention")
     spec = AttentionSpec.make("attention", causal=causal, softmax_scale=softmax_scale, q_start=None, k_start=0,
                               window_size=window_size, cu_seqlens=cu_seqlens, backend=backend)
-    out, lse = _attend(q, k, v, spec)
+    out, lse = _attend(q, k, v, spec, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -110,6 +121,7 @@ def chunked_attention(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str | BlockOp = "auto",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over K/V chunks of `chunk_size` keys, merged exactly by lse: memory for scores
     stays `O(seqlen_q * chunk_size)` however long the keys, forward and backward.
@@ -121,7 +133,7 @@ def chunked_attention(
         softmax_scale: defaults to `headdim ** -0.5`.
         chunk_size: keys per chunk (>= 1).
         return_lse: also return lse `[batch, nheads, seqlen_q]`.
-        backend: block op, as in `ringlse.block_attention`.
+        backend, sinks: as in `ringlse.block_attention`.
 
     Returns:
         `out` like `q` (or `(out, lse)`), differentiable in q, k, v.
@@ -132,7 +144,7 @@ def chunked_attention(
     spec = AttentionSpec.make("chunked_attention", causal=causal, softmax_scale=softmax_scale, q_start=None,
                               k_start=0, window_size=window_size, cu_seqlens=cu_seqlens, backend=backend,
                               chunk_size=chunk_size)
-    out, lse = _attend(q, k, v, spec)
+    out, lse = _attend(q, k, v, spec, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -148,6 +160,7 @@ def varlen_attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     backend: str | BlockOp = "auto",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flash-attn's varlen attention (`flash_attn_varlen_func`'s layout and semantics), on any backend.
 
@@ -158,7 +171,7 @@ def varlen_attention(
     Args:
         q: `[total_q, nheads, headdim]`; k, v: `[total_k, nheads_kv, headdim]`.
         cu_seqlens_q, cu_seqlens_k: document boundaries, as many documents in both.
-        causal, window_size, softmax_scale, backend: as in `ringlse.block_attention`.
+        causal, window_size, softmax_scale, backend, sinks: as in `ringlse.block_attention`.
         return_lse: also return lse `[nheads, total_q]` (float32; float64 for float64 inputs).
 
     Returns:
@@ -175,5 +188,5 @@ def varlen_attention(
     spec = AttentionSpec.make(what, causal=causal, softmax_scale=softmax_scale, q_start=0, k_start=0,
                               window_size=window_size, cu_seqlens=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q,
                               backend=backend)
-    out, lse = _attend(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), spec)
+    out, lse = _attend(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), spec, sinks)
     return (out[0], lse[0]) if return_lse else out[0]

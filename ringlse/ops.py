@@ -21,6 +21,7 @@ from torch import Tensor
 from ringlse.attention_plan import attend_plan
 from ringlse.checks import lse_dtype
 from ringlse.ring.entry import ring_plan
+from ringlse.sinks import add_sinks
 from ringlse.specs import AttentionSpec, RingSpec, backend_from_name, group_from_name, raise_error
 
 # plans of recent calls by shapes and options: a model's layers share one; enough for the calls
@@ -119,9 +120,11 @@ class _Attend(torch.autograd.Function):
         return (*grads, None, None, *([None] * len(ctx.options)))
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> tuple[Tensor, Tensor]:
-    """`(out, lse)` of one single-device call, differentiable in q, k, v through both."""
-    return _Attend.apply(q, k, v, *spec.op_args())
+def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, sinks: Tensor | None = None
+           ) -> tuple[Tensor, Tensor]:
+    """`(out, lse)` of one single-device call, differentiable in q, k, v (and `sinks`) through both;
+    `sinks` `[h]` are merged in once, after every block (`ringlse.sinks`)."""
+    return add_sinks(*_Attend.apply(q, k, v, *spec.op_args()), sinks)
 
 
 # ---- the ring ------------------------------------------------------------------------------------
@@ -169,6 +172,7 @@ class _Ring(torch.autograd.Function):
         return (*grads, None, *([None] * len(ctx.options)))
 
 
-def ring(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec) -> tuple[Tensor, Tensor]:
-    """`(out, lse)` of one `ring_attention` call, differentiable in q, k, v through both."""
-    return _Ring.apply(q, k, v, *spec.op_args())
+def ring(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`(out, lse)` of one `ring_attention` call, differentiable in q, k, v (and `sinks`) through both;
+    each rank merges the sinks into its own rows once, after the ring."""
+    return add_sinks(*_Ring.apply(q, k, v, *spec.op_args()), sinks)

@@ -48,6 +48,7 @@ def reference_attention(
     k_start: int = 0,
     window_size: tuple[int, int] = (-1, -1),
     cu_seqlens: list[int] | torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention computed in float64, differentiable, returning `(out, lse)`.
 
@@ -63,6 +64,8 @@ def reference_attention(
         window_size: `(left, right)`: the query at `p` sees keys in `[p - left, p + right]`, -1
             unbounded (CONVENTIONS.md §10).
         cu_seqlens: document boundaries over global positions; a query sees keys of its document only.
+        sinks: `[nheads]` logits of a key that every query sees and that carries no value (GPT-OSS's
+            attention sinks); the lse includes it.
 
     Returns:
         `out` `[batch, seqlen_q, nheads, headdim]` in `q.dtype`, and `lse` `[batch, nheads, seqlen_q]`
@@ -70,7 +73,8 @@ def reference_attention(
         `lse = -inf`.
     """
     out, lse = attention_math(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=q_start,
-                              k_start=k_start, window_size=window_size, cu_seqlens=cu_seqlens, dtype=torch.float64)
+                              k_start=k_start, window_size=window_size, cu_seqlens=cu_seqlens, sinks=sinks,
+                              dtype=torch.float64)
     return out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
@@ -85,6 +89,7 @@ def attention_math(
     k_start: int = 0,
     window_size: tuple[int, int] = (-1, -1),
     cu_seqlens: list[int] | torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention of `reference_attention` with every operation in `dtype` (float64: the reference;
@@ -119,6 +124,11 @@ def attention_math(
         bounds = torch.as_tensor(cu_seqlens, dtype=torch.int64, device=q.device)
         hidden |= torch.bucketize(t, bounds, right=True) != torch.bucketize(p, bounds, right=True)
     scores = scores.masked_fill(hidden, float("-inf"))
-    p, lse = masked_softmax_and_lse(scores)
+    if sinks is not None:  # one more key per head, seen by every query, whose value is 0
+        column = sinks.to(dtype).reshape(1, hkv, g, 1, 1).expand(b, hkv, g, sq, 1)
+        p, lse = masked_softmax_and_lse(torch.cat([scores, column], dim=-1))
+        p = p[..., :sk]
+    else:
+        p, lse = masked_softmax_and_lse(scores)
     out = torch.einsum("bkgij,bjkd->bikgd", p, v.to(dtype)).reshape(b, sq, h, d)
     return out, lse.reshape(b, h, sq)

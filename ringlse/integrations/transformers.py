@@ -24,9 +24,10 @@ model's own extra mask functions (image tokens, chunked attention and the like) 
 not end the keys (a static cache).
 
 Never silently wrong: every keyword transformers passes to the attention function is computed
-(scaling, is_causal, sliding_window, position_ids, cu_seq_lens_q/k), ignored on purpose because it
+(scaling, is_causal, sliding_window, position_ids, cu_seq_lens_q/k, s_aux / sinks: GPT-OSS's attention
+sinks), ignored on purpose because it
 carries no attention math (`IGNORED_KEYWORDS`, each with its reason), or refused with an error naming
-the model feature: softcapping (Gemma 2), attention sinks (GPT-OSS), a V head dim other than Q/K's
+the model feature: softcapping (Gemma 2), a V head dim other than Q/K's
 (DeepSeek-style MLA), dropout, position biases, sparse indices, attention weights, and any keyword
 this module does not know. Every rank runs the same model, so every rank raises, before any K/V moves.
 """
@@ -133,8 +134,6 @@ IGNORED_KEYWORDS: dict[str, str] = {
 # value that leaves attention plain.
 _REFUSED_KEYWORDS: dict[str, str] = {
     "softcap": "logit softcapping (Gemma 2's attn_logit_softcapping)",
-    "s_aux": "learnable attention sinks (GPT-OSS)",
-    "sinks": "learnable attention sinks",
     "position_bias": "an additive position bias (T5-style relative attention)",
     "head_mask": "a per-head mask",
     "indices": "sparse attention over selected keys (DeepSeek-V3.2-style indexer)",
@@ -146,7 +145,7 @@ _REFUSED_KEYWORDS: dict[str, str] = {
 
 
 # Keywords computed by `attention_forward` besides its named parameters (documents, flash-attn style).
-_COMPUTED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k")
+_COMPUTED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "s_aux", "sinks")
 
 
 def _check_keywords(kwargs: dict) -> None:
@@ -214,6 +213,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError("ringlse attention has no dropout: set the config's attention_dropout to 0")
     _check_head_dims(query, value)
     _check_mask(attention_mask)
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # GPT-OSS's learnable sink per head
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = _window(sliding_window, causal)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
@@ -230,7 +230,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                     "ringlse.integrations.transformers.ring(cu_seqlens=...)")
         else:
             docs = _flash_documents(kwargs, _documents(position_ids, q.shape[1]), q.shape[1], q.shape[0])
-        return attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, cu_seqlens=docs), None
+        return attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, cu_seqlens=docs,
+                         sinks=sinks), None
     if packed:
         raise NotImplementedError("ringlse ring attention: cu_seq_lens_q/k describe this rank's shard, not the "
                                   "global sequence: pass prepare_batch(...).cu_seqlens to ring() instead")
@@ -240,7 +241,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError("ringlse ring attention: position_ids restart inside this rank's shard, but ring() "
                          "got no cu_seqlens: pass prepare_batch(...).cu_seqlens")
     out = ring_attention(q, k, v, causal=causal, softmax_scale=scaling, group=r.group_name, layout=r.layout,
-                         window_size=window, cu_seqlens=r.cu_seqlens, backend=r.backend)
+                         window_size=window, cu_seqlens=r.cu_seqlens, backend=r.backend, sinks=sinks)
     return out, None
 
 

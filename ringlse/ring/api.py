@@ -4,6 +4,7 @@ then the one autograd path of `ringlse.ops` (the plan: `ringlse.ring.entry`; the
 from __future__ import annotations
 
 import datetime
+from dataclasses import replace
 from collections.abc import Sequence
 
 import torch
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 from ringlse import ops
 from ringlse.blocks.contract import BlockOp
+from ringlse.sinks import check_sinks
 from ringlse.specs import RingSpec
 
 
@@ -28,6 +30,7 @@ def ring_attention(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     backend: str | BlockOp = "auto",
     timeout: datetime.timedelta | float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention over a sequence sharded across the ranks of `group`.
 
@@ -48,6 +51,8 @@ def ring_attention(
             masked=True)`; `auto` picks one).
         backend: block op: `auto` (`triton` on CUDA, `torch` on CPU), `triton`, `sdpa`, `flash`, `torch`,
             or a `BlockOp`.
+        sinks: learnable attention sinks `[nheads]`, as in `ringlse.block_attention`: each rank merges
+            them into its own rows once, after the ring (the returned lse includes them).
         timeout: the longest any one wait of this call (the agreement, each K/V transfer, each dk/dv
             message, forward and backward) may take, as a `datetime.timedelta` or seconds; default:
             the process group's timeout. On NCCL an explicit one makes the host wait for each
@@ -68,5 +73,9 @@ def ring_attention(
     spec = RingSpec.make(causal=causal, softmax_scale=softmax_scale, group=group, layout=layout,
                          return_lse=return_lse, window_size=window_size, cu_seqlens=cu_seqlens, backend=backend,
                          timeout=timeout)
-    out, lse = ops.ring(q, k, v, spec)
+    problem = check_sinks(sinks, q, "ring_attention") if isinstance(q, torch.Tensor) else None
+    if problem is not None:  # raised on every rank together, through the agreement
+        spec = replace(spec, error=spec.error or f"ValueError: {problem}")
+        sinks = None
+    out, lse = ops.ring(q, k, v, spec, sinks)
     return (out, lse) if return_lse else out
