@@ -28,6 +28,7 @@ def ring_attention(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     backend: str | BlockOp = "auto",
     timeout: datetime.timedelta | float | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention over a sequence sharded across the ranks of `group`.
 
@@ -52,6 +53,9 @@ def ring_attention(
             message, forward and backward) may take, as a `datetime.timedelta` or seconds; default:
             the process group's timeout. On NCCL an explicit one makes the host wait for each
             transfer (`Work.wait(timeout)`); without it the NCCL watchdog enforces the group's.
+        softcap: 0 (off) or `s > 0`: scores capped to `s * tanh(scale * q.k / s)` before the softmax
+            (`torch` and `triton` backends; the ranks must agree on it). A V head dim other than
+            Q/K's is not taken by the ring yet (ValueError on every rank).
 
     Returns:
         This rank's `out` `[batch, n, nheads, headdim]` (q's dtype), or `(out, lse)`. Differentiable:
@@ -67,6 +71,6 @@ def ring_attention(
     """
     spec = RingSpec.make(causal=causal, softmax_scale=softmax_scale, group=group, layout=layout,
                          return_lse=return_lse, window_size=window_size, cu_seqlens=cu_seqlens, backend=backend,
-                         timeout=timeout)
+                         timeout=timeout, softcap=softcap)
     out, lse = ops.ring(q, k, v, spec)
     return (out, lse) if return_lse else out
