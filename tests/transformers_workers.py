@@ -92,7 +92,7 @@ def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] 
 
 def refused_in_ring(rank: int, world: int) -> dict[str, str]:
     """Inside `ring()`, keywords the attention does not compute raise on this rank (every rank gets the
-    same keywords); the group still works after them."""
+    same keywords; softcap is computed: "no error"); the group still works after them."""
     import torch.distributed as dist
 
     from ringlse.integrations import transformers as rt
