@@ -40,7 +40,8 @@ def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) 
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
-    """Raise ValueError unless q `[b, sq, h, d]`, k/v `[b, sk, hkv, d]` agree (CONVENTIONS.md §1)."""
+    """Raise ValueError unless q `[b, sq, h, d]`, k `[b, sk, hkv, d]`, v `[b, sk, hkv, d_v]` agree
+    (CONVENTIONS.md §1; whether the backend takes `d_v != d` is `feature_refused`'s)."""
     check_tensors(q, k, v, what)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -51,8 +52,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> N
         raise ValueError(f"{what}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     b, _, h, d = q.shape
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"{what}: k and v must agree in batch, seqlen and heads, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+        raise ValueError(f"{what}: k and v must have the same shape but for the head dim, got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
     if k.shape[0] != b:
         raise ValueError(f"{what}: batch of q ({b}) and k ({k.shape[0]}) differ")
     if k.shape[3] != d:

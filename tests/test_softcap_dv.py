@@ -150,6 +150,31 @@ def test_backends_without_them_refuse_by_name(softcap, d, dv):
             ringlse.attention(q, k, v, softcap=softcap, backend=name)
 
 
+def test_registry_lists_agree_with_the_ops():
+    """`SOFTCAP_BACKENDS` / `V_HEAD_DIM_BACKENDS` (what `auto` and names are checked against) say what the
+    ops' `Capabilities` say, for every op that imports here; a backend named on a device it cannot run on
+    is refused for the feature first (so `auto` on a GPU never picks one without it)."""
+    import importlib
+
+    from ringlse.blocks import _BACKENDS, backend_unavailable_reason
+    from ringlse.checks import SOFTCAP_BACKENDS, V_HEAD_DIM_BACKENDS
+
+    for name, (module, attr, _, _) in _BACKENDS.items():
+        try:
+            op = getattr(importlib.import_module(module), attr)
+        except ImportError:
+            continue
+        assert op.caps.softcap == (name in SOFTCAP_BACKENDS), name
+        assert op.caps.v_head_dim == (name in V_HEAD_DIM_BACKENDS), name
+    for name in ("sdpa", "fa4", "fa2", "flash"):
+        why = backend_unavailable_reason(name, "cuda", torch.bfloat16, softcap=30.0)
+        assert "softcap 30" in why and "backends that take it: torch, triton" in why
+        why = backend_unavailable_reason(name, "cuda", torch.bfloat16, head_dim=192, v_head_dim=128)
+        assert "V head dim 128 differs from Q/K head dim 192" in why
+    assert backend_unavailable_reason("torch", "cuda", torch.bfloat16, softcap=30.0, head_dim=192, v_head_dim=128) \
+        is None
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
 def test_bad_softcap_is_named(bad):
     q = torch.randn(1, 4, 2, 8)
