@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 import ringlse
+from ring_workers import _outcome
 from ringlse.testing import random_inputs
 
 
@@ -88,13 +89,5 @@ def ring_refusals(rank, world) -> list[str]:
     v16 = torch.randn(1, 4, 2, 16)
     calls = (dict(softcap=2.0, backend=SDPA_BLOCK_OP), dict(v=v16), dict(softcap=-1.0),
              dict(softcap=1.0 + rank))
-    messages = []
-    for kw in calls:
-        v = kw.pop("v", q)
-        try:
-            ringlse.ring_attention(q, q, v, **kw)
-        except ValueError as e:
-            messages.append(str(e))
-        else:
-            messages.append("no error")
-    return messages
+    outcomes = [_outcome(ringlse.ring_attention, q, q, kw.pop("v", q), **kw) for kw in calls]
+    return [o.get("message", "no error") for o in outcomes]

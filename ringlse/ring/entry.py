@@ -135,8 +135,8 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
         try:
             scale = check_scale(softmax_scale, q.shape[-1], "ring_attention")
             if v.shape[-1] != q.shape[-1]:  # K and V travel in one buffer of K's shape (`kv_transport`)
-                raise ValueError(f"ring_attention: a V head dim other than Q/K's is not supported in the ring yet "
-                                 f"(V head dim {v.shape[-1]}, Q/K head dim {q.shape[-1]}); single-device "
+                raise ValueError(f"ring_attention: V head dim {v.shape[-1]} differs from Q/K head dim {q.shape[-1]}: "
+                                 "a V head dim other than Q/K's is not supported in the ring yet; single-device "
                                  "attention takes it (torch, triton backends)")
             op = get_block_op(backend, q.device, q.dtype, masked=not rule.plain, head_dim=q.shape[-1],
                               softcap=softcap)
