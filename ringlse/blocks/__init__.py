@@ -173,7 +173,9 @@ def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torc
     `triton`, then `sdpa`; with `masked` (windows, documents as intervals) `triton`; `torch` on the
     CPU and for float64. `flash` is `fa4`'s op where FlashAttention-4 imports and the GPU is sm90 or
     newer, else `fa2`'s. A `BlockOp` is returned as it is (your own kernels, or a registry op on a
-    device it is not offered for, such as `sdpa`'s CPU kernels in tests).
+    device it is not offered for, such as `sdpa`'s CPU kernels in tests; it too is refused for a
+    `softcap` > 0 or a `v_head_dim` other than `head_dim` its `Capabilities` do not take). With either,
+    only `SOFTCAP_BACKENDS` / `V_HEAD_DIM_BACKENDS` (`torch`, `triton`) qualify, `auto` included.
 
     Raises:
         ValueError: unknown or unavailable backend, or one that does not compute `dtype`; the
