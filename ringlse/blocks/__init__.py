@@ -109,7 +109,8 @@ def backend_unavailable_reason(name: str, device: torch.device | str, dtype: tor
     if name not in _BACKENDS:
         return f"unknown backend {name!r}"
     if softcap and name not in SOFTCAP_BACKENDS:
-        return f"softcap {softcap:g}: {name} does not take softcap (backends that take it: {', '.join(SOFTCAP_BACKENDS)})"
+        return (f"softcap {softcap:g}: {name} does not take softcap "
+                f"(backends that take it: {', '.join(SOFTCAP_BACKENDS)})")
     if v_head_dim is not None and head_dim is not None and v_head_dim != head_dim and name not in V_HEAD_DIM_BACKENDS:
         return (f"V head dim {v_head_dim} differs from Q/K head dim {head_dim}: {name} does not take it "
                 f"(backends that take it: {', '.join(V_HEAD_DIM_BACKENDS)})")
