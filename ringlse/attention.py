@@ -38,13 +38,15 @@ def block_attention(
     k_start: int = 0,
     window_size: tuple[int, int] = (-1, -1),
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    softcap: float = 0.0,
     backend: str | BlockOp = "auto",
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block of queries to one block of keys at global positions, with its lse.
 
     Args:
-        q: `[batch, seqlen_q, nheads, headdim]`; k, v: `[batch, seqlen_k, nheads_kv, headdim]`.
+        q, k: `[batch, seqlen, nheads(_kv), headdim]`; v: `[batch, seqlen_k, nheads_kv, headdim_v]`
+            (`headdim_v` may differ from q/k's: `torch` and `triton` backends; out has `headdim_v`).
         causal: key at global position `t` visible to the query at `p` only if `t <= p`, with
             `p = q_start + i`, `t = k_start + j` (CONVENTIONS.md §4).
         softmax_scale: defaults to `headdim ** -0.5`.
@@ -54,6 +56,9 @@ def block_attention(
         cu_seqlens: document boundaries `[0, e1, ..., S]` over global positions, `S` at or past the
             end of the later of the two blocks (the whole packed sequence's boundaries may be passed
             as they are); a query sees keys of its own document only. The same for every batch row.
+        softcap: 0 (off) or `s > 0`: scores become `s * tanh(scale * q.k / s)` before the softmax, and
+            the lse is taken over the capped scores (Gemma 2's logit softcapping; `torch` and `triton`
+            backends, `auto` picks one of them).
         backend: `auto` (`triton` on CUDA where it computes the dtype, else `sdpa`, else `torch`),
             `triton`, `sdpa`, `flash`, `torch`, or a `BlockOp`. Windows need `torch` (or a backend
             that takes intervals); documents work everywhere (cut into per-document calls where the
@@ -72,7 +77,8 @@ def block_attention(
         ValueError / TypeError: malformed inputs or options, or a backend that cannot run the call.
     """
     spec = AttentionSpec.make("block_attention", causal=causal, softmax_scale=softmax_scale, q_start=q_start,
-                              k_start=k_start, window_size=window_size, cu_seqlens=cu_seqlens, backend=backend)
+                              k_start=k_start, window_size=window_size, cu_seqlens=cu_seqlens, backend=backend,
+                              softcap=softcap)
     return _attend(q, k, v, spec, sinks)
 
 
@@ -86,6 +92,7 @@ def attention(
     window_size: tuple[int, int] = (-1, -1),
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     return_lse: bool = False,
+    softcap: float = 0.0,
     backend: str | BlockOp = "auto",
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +101,7 @@ def attention(
 
     Args:
         q: `[batch, seqlen_q, nheads, headdim]`; k, v: `[batch, seqlen_k, nheads_kv, headdim]`.
-        causal, softmax_scale, window_size, backend, sinks: as in `block_attention`.
+        causal, softmax_scale, window_size, softcap, backend, sinks: as in `block_attention`.
         cu_seqlens: document boundaries over key positions `[0, ..., seqlen_k]` (a last boundary
             past `seqlen_k` is allowed).
         return_lse: also return lse `[batch, nheads, seqlen_q]`.
@@ -104,7 +111,7 @@ def attention(
     """
     check_flag(return_lse, "return_lse", "attention")
     spec = AttentionSpec.make("attention", causal=causal, softmax_scale=softmax_scale, q_start=None, k_start=0,
-                              window_size=window_size, cu_seqlens=cu_seqlens, backend=backend)
+                              window_size=window_size, cu_seqlens=cu_seqlens, backend=backend, softcap=softcap)
     out, lse = _attend(q, k, v, spec, sinks)
     return (out, lse) if return_lse else out
 
@@ -120,6 +127,7 @@ def chunked_attention(
     window_size: tuple[int, int] = (-1, -1),
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     return_lse: bool = False,
+    softcap: float = 0.0,
     backend: str | BlockOp = "auto",
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +141,7 @@ def chunked_attention(
         softmax_scale: defaults to `headdim ** -0.5`.
         chunk_size: keys per chunk (>= 1).
         return_lse: also return lse `[batch, nheads, seqlen_q]`.
-        backend, sinks: as in `ringlse.block_attention`.
+        softcap, backend, sinks: as in `ringlse.block_attention`.
 
     Returns:
         `out` like `q` (or `(out, lse)`), differentiable in q, k, v.
@@ -143,7 +151,7 @@ def chunked_attention(
     check_flag(return_lse, "return_lse", "chunked_attention")
     spec = AttentionSpec.make("chunked_attention", causal=causal, softmax_scale=softmax_scale, q_start=None,
                               k_start=0, window_size=window_size, cu_seqlens=cu_seqlens, backend=backend,
-                              chunk_size=chunk_size)
+                              chunk_size=chunk_size, softcap=softcap)
     out, lse = _attend(q, k, v, spec, sinks)
     return (out, lse) if return_lse else out
 
@@ -159,6 +167,7 @@ def varlen_attention(
     window_size: tuple[int, int] = (-1, -1),
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    softcap: float = 0.0,
     backend: str | BlockOp = "auto",
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +180,7 @@ def varlen_attention(
     Args:
         q: `[total_q, nheads, headdim]`; k, v: `[total_k, nheads_kv, headdim]`.
         cu_seqlens_q, cu_seqlens_k: document boundaries, as many documents in both.
-        causal, window_size, softmax_scale, backend, sinks: as in `ringlse.block_attention`.
+        causal, window_size, softmax_scale, softcap, backend, sinks: as in `ringlse.block_attention`.
         return_lse: also return lse `[nheads, total_q]` (float32; float64 for float64 inputs).
 
     Returns:
@@ -187,6 +196,6 @@ def varlen_attention(
             raise ValueError(f"{what}: {name} must be document boundaries, got None")
     spec = AttentionSpec.make(what, causal=causal, softmax_scale=softmax_scale, q_start=0, k_start=0,
                               window_size=window_size, cu_seqlens=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q,
-                              backend=backend)
+                              backend=backend, softcap=softcap)
     out, lse = _attend(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), spec, sinks)
     return (out[0], lse[0]) if return_lse else out[0]

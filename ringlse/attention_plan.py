@@ -24,17 +24,17 @@ class _CallPlan:
     (`ringlse.blocks.accumulate`): kernels that return theirs (cuDNN, FlashAttention) give parts
     summed in one pass, so no float32 accumulator is zeroed, read and rewritten per call."""
 
-    def __init__(self, op: BlockOp, scale: float, calls: list[BlockCall]):
-        self.op, self.scale, self.calls = op, scale, calls
+    def __init__(self, op: BlockOp, scale: float, calls: list[BlockCall], softcap: float = 0.0):
+        self.op, self.scale, self.calls, self.softcap = op, scale, calls, softcap
 
     def forward(self, q, k, v):
         sq = q.shape[1]
         if len(self.calls) == 1 and self.calls[0][:4] == (0, sq, 0, k.shape[1]):
-            return self.op.forward(q, k, v, **self.calls[0].args(self.scale).kwargs())
-        state = StateRows(q.shape, lse_dtype(q.dtype), q.device)
+            return self.op.forward(q, k, v, **self.calls[0].args(self.scale, self.softcap).kwargs())
+        state = StateRows((*q.shape[:3], v.shape[-1]), lse_dtype(q.dtype), q.device)
         for c in self.calls:
             state.add(self.op, q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1], c.q0, c.q1,
-                      **c.args(self.scale).kwargs())
+                      **c.args(self.scale, self.softcap).kwargs())
         return state.result()
 
     def backward(self, dout, q, k, v, out, lse, delta, lse_grad):
@@ -42,7 +42,8 @@ class _CallPlan:
         dq, dk, dv = (PartSum(t.shape, acc, t.device) for t in (q, k, v))
         g = GradInputs(dout, q, out, lse, delta, lse_grad)
         for c in self.calls:
-            self.op.accumulation.add_grads(self.op, g, c, (k, v), c.args(self.scale), GradTarget(dq, c.q0, c.q1),
+            self.op.accumulation.add_grads(self.op, g, c, (k, v), c.args(self.scale, self.softcap),
+                                           GradTarget(dq, c.q0, c.q1),
                                            GradTarget(dk, c.k0, c.k1), GradTarget(dv, c.k0, c.k1))
         return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
 
@@ -117,13 +118,13 @@ def attend_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attenti
     windowed = window != (-1, -1)
     backend = backend_from_name(spec.backend)
     op = get_block_op(backend, q.device, q.dtype, masked=backend == "auto" and (windowed or docs is not None),
-                      head_dim=q.shape[-1], window=windowed)
+                      head_dim=q.shape[-1], window=windowed, softcap=spec.softcap, v_head_dim=v.shape[-1])
     rule = Rule(spec.causal, window, docs)
     sq, sk = q.shape[1], k.shape[1]
     step = max(sk if spec.chunk_size is None else spec.chunk_size, 1)
     calls = [c for k0 in range(0, sk, step)
              for c in _block_calls(op, rule, 0, sq, k0, min(sk, k0 + step), q_start, spec.k_start + k0, what)]
-    return _CallPlan(op, scale, calls)
+    return _CallPlan(op, scale, calls, spec.softcap)
 
 
 def _varlen_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> _CallPlan:
@@ -138,11 +139,11 @@ def _varlen_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attent
     scale = check_scale(spec.softmax_scale, q.shape[-1], what)
     backend = backend_from_name(spec.backend)
     op = get_block_op(backend, q.device, q.dtype, masked=backend == "auto" and window != (-1, -1),
-                      head_dim=q.shape[-1], window=window != (-1, -1))
+                      head_dim=q.shape[-1], window=window != (-1, -1), softcap=spec.softcap, v_head_dim=v.shape[-1])
     rule = Rule(spec.causal, window)
     calls = []
     for (qa, qe), (ka, ke) in zip(zip(qb, qb[1:]), zip(kb, kb[1:])):
         # positions: keys at their row index, queries aligned to end with their document's keys
         q_start = ka + (ke - ka) - (qe - qa)
         calls += _block_calls(op, rule, qa, qe, ka, ke, q_start, ka, what)
-    return _CallPlan(op, scale, calls)
+    return _CallPlan(op, scale, calls, spec.softcap)

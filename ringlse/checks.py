@@ -40,7 +40,8 @@ def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) 
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> None:
-    """Raise ValueError unless q `[b, sq, h, d]`, k/v `[b, sk, hkv, d]` agree (CONVENTIONS.md §1)."""
+    """Raise ValueError unless q `[b, sq, h, d]`, k `[b, sk, hkv, d]`, v `[b, sk, hkv, d_v]` agree
+    (CONVENTIONS.md §1; whether the backend takes `d_v != d` is `feature_refused`'s)."""
     check_tensors(q, k, v, what)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -50,15 +51,40 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> N
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"{what}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     b, _, h, d = q.shape
-    if v.dim() == 4 and k.shape[:3] == v.shape[:3] and v.shape[3] != k.shape[3] and k.shape[3] == d:
-        # a missing feature, not a malformed call: say which (DeepSeek-style MLA has d_v < d_qk)
-        raise ValueError(f"{what}: V head dim {v.shape[3]} differs from Q/K head dim {d}: a V head dim other "
-                         "than Q/K's (DeepSeek-style MLA) is not computed by ringlse yet; no backend takes it")
-    if k.shape != v.shape:
-        raise ValueError(f"{what}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"{what}: k and v must have the same shape but for the head dim, got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
     if k.shape[0] != b:
         raise ValueError(f"{what}: batch of q ({b}) and k ({k.shape[0]}) differ")
     if k.shape[3] != d:
         raise ValueError(f"{what}: head dim of q ({d}) and k ({k.shape[3]}) differ")
     if k.shape[2] == 0 or h % k.shape[2]:
         raise ValueError(f"{what}: nheads ({h}) must be a multiple of nheads_kv ({k.shape[2]})")
+
+
+# the registry's backends whose block ops take these (`Capabilities.softcap`, `.v_head_dim`); a test
+# checks they agree with the ops
+SOFTCAP_BACKENDS = ("torch", "triton")
+V_HEAD_DIM_BACKENDS = ("torch", "triton")
+
+
+def check_softcap(softcap: object, what: str) -> float:
+    """`softcap` as a float: 0 (off) or positive and finite; ValueError (TypeError for a non-number)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"{what}: softcap must be a float, got {type(softcap).__name__}")
+    value = float(softcap)
+    if not (value >= 0 and value != float("inf")):
+        raise ValueError(f"{what}: softcap must be 0 (off) or positive and finite, got {softcap!r}")
+    return value
+
+
+def feature_refused(name: str, caps, softcap: float, d_qk: int, d_v: int) -> str | None:
+    """Why the block op `name` with capabilities `caps` cannot take `softcap` (> 0: on) or a V head
+    dim `d_v` other than `d_qk`, or None."""
+    if softcap and not caps.softcap:
+        return (f"softcap {softcap:g}: the {name!r} block op does not take softcap "
+                f"(backends that take it: {', '.join(SOFTCAP_BACKENDS)})")
+    if d_v != d_qk and not caps.v_head_dim:
+        return (f"V head dim {d_v} differs from Q/K head dim {d_qk}: the {name!r} block op does not take it "
+                f"(backends that take it: {', '.join(V_HEAD_DIM_BACKENDS)})")
+    return None

@@ -61,9 +61,9 @@ def _run_backward(plan, g_out, g_lse, q, k, v, out, lse) -> tuple[Tensor, Tensor
 # which would delay a process's first attention call, and in a ring its ranks' agreement, that long.
 _LIB = torch.library.Library("ringlse", "DEF")
 _ATTEND_OPTIONS = ("Tensor? cu_seqlens, Tensor? cu_seqlens_q, bool causal, float? softmax_scale, int? q_start, "
-                   "int k_start, int[] window, int? chunk_size, str backend, str what, str error")
+                   "int k_start, int[] window, int? chunk_size, str backend, float softcap, str what, str error")
 _RING_OPTIONS = ("Tensor? cu_seqlens, bool causal, float? softmax_scale, str group, str layout, bool return_lse, "
-                 "int[] window, str backend, float? timeout, bool agree, str error")
+                 "int[] window, str backend, float? timeout, bool agree, float softcap, str error")
 _QKV = "Tensor q, Tensor k, Tensor v"
 _GRADS_IN = "Tensor? g_out, Tensor? g_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse"
 
@@ -134,7 +134,7 @@ def _ring_plan(q: Tensor, k: Tensor, v: Tensor, args: tuple, agree: bool):
     plan = ring_plan(q, k, v, causal=spec.causal, softmax_scale=spec.softmax_scale, group=group_from_name(spec.group),
                      layout=spec.layout, return_lse=spec.return_lse, window_size=spec.window_size,
                      cu_seqlens=spec.cu_seqlens, backend=backend_from_name(spec.backend), timeout=spec.timeout,
-                     agree=agree and spec.agree, local_error=spec.error or None)
+                     agree=agree and spec.agree, local_error=spec.error or None, softcap=spec.softcap)
     return _remember(_key("ring", (q, k, v), args), plan)
 
 

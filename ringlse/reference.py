@@ -48,6 +48,7 @@ def reference_attention(
     k_start: int = 0,
     window_size: tuple[int, int] = (-1, -1),
     cu_seqlens: list[int] | torch.Tensor | None = None,
+    softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention computed in float64, differentiable, returning `(out, lse)`.
@@ -64,6 +65,8 @@ def reference_attention(
         window_size: `(left, right)`: the query at `p` sees keys in `[p - left, p + right]`, -1
             unbounded (CONVENTIONS.md §10).
         cu_seqlens: document boundaries over global positions; a query sees keys of its document only.
+        softcap: 0 (off) or `s > 0`: scores capped to `s * tanh(score / s)` before the softmax.
+        v may have a head dim of its own (out then has it).
         sinks: `[nheads]` logits of a key that every query sees and that carries no value (GPT-OSS's
             attention sinks); the lse includes it.
 
@@ -73,7 +76,7 @@ def reference_attention(
         `lse = -inf`.
     """
     out, lse = attention_math(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=q_start,
-                              k_start=k_start, window_size=window_size, cu_seqlens=cu_seqlens, sinks=sinks,
+                              k_start=k_start, window_size=window_size, cu_seqlens=cu_seqlens, sinks=sinks, softcap=softcap,
                               dtype=torch.float64)
     return out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
 
@@ -89,6 +92,7 @@ def attention_math(
     k_start: int = 0,
     window_size: tuple[int, int] = (-1, -1),
     cu_seqlens: list[int] | torch.Tensor | None = None,
+    softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +101,7 @@ def attention_math(
     # one check for every malformed input (3-D tensors, nheads_kv = 0 included), so callers always get
     # this ValueError rather than an unpacking error or a ZeroDivisionError
     if (
-        q.dim() != 4 or k.dim() != 4 or v.shape != k.shape
+        q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3]
         or (k.shape[0], k.shape[3]) != (q.shape[0], q.shape[3]) or k.shape[2] == 0 or q.shape[2] % k.shape[2]
     ):
         raise ValueError(f"reference_attention: incompatible shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
@@ -109,6 +113,8 @@ def attention_math(
     g = h // hkv
     qg = q.to(dtype).reshape(b, sq, hkv, g, d)
     scores = torch.einsum("bikgd,bjkd->bkgij", qg, k.to(dtype)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     # the visibility rule of CONVENTIONS.md §10, written out pair by pair (its own code, not ringlse.masks)
     p = q_start + torch.arange(sq, device=q.device)[:, None]
     t = k_start + torch.arange(sk, device=q.device)[None, :]
@@ -130,5 +136,5 @@ def attention_math(
         p = p[..., :sk]
     else:
         p, lse = masked_softmax_and_lse(scores)
-    out = torch.einsum("bkgij,bjkd->bikgd", p, v.to(dtype)).reshape(b, sq, h, d)
+    out = torch.einsum("bkgij,bjkd->bikgd", p, v.to(dtype)).reshape(b, sq, h, v.shape[3])
     return out, lse.reshape(b, h, sq)

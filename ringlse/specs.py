@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ringlse.blocks.contract import BlockOp
-from ringlse.checks import check_flag
+from ringlse.checks import check_flag, check_softcap
 from ringlse.masks import check_window
 
 # `BlockOp`s passed as `backend=` by callers, by the name the custom ops know them by (an op schema
@@ -115,11 +115,12 @@ class AttentionSpec:
     cu_seqlens_q: torch.Tensor | None = None
     chunk_size: int | None = None
     backend: str = "auto"
+    softcap: float = 0.0
     error: str = ""
 
     @classmethod
     def make(cls, what: str, *, causal, softmax_scale, q_start, k_start, window_size, cu_seqlens, backend,
-             chunk_size=None, cu_seqlens_q=None) -> AttentionSpec:
+             chunk_size=None, cu_seqlens_q=None, softcap=0.0) -> AttentionSpec:
         """The spec of a call to `what` with these keyword arguments; a malformed one is kept in `error`
         (raised by the op, `raise_error`)."""
         errors = _Errors()
@@ -134,19 +135,20 @@ class AttentionSpec:
                    errors.take(lambda: _check_float(softmax_scale, "softmax_scale", what), None), *starts,
                    errors.take(lambda: check_window(window_size, what), (-1, -1)),
                    errors.take(lambda: boundaries(cu_seqlens), None), errors.take(lambda: boundaries(cu_seqlens_q), None),
-                   chunk_size, errors.take(lambda: backend_name(backend), "auto"))
+                   chunk_size, errors.take(lambda: backend_name(backend), "auto"),
+                   errors.take(lambda: check_softcap(softcap, what), 0.0))
         return replace(spec, error=errors.text())
 
     def op_args(self) -> tuple:
         """The custom op's arguments after q, k, v (`ringlse.ops`), in its schema's order."""
         return (self.cu_seqlens, self.cu_seqlens_q, self.causal, self.softmax_scale, self.q_start, self.k_start,
-                list(self.window_size), self.chunk_size, self.backend, self.what, self.error)
+                list(self.window_size), self.chunk_size, self.backend, self.softcap, self.what, self.error)
 
     @classmethod
     def from_op_args(cls, cu_seqlens, cu_seqlens_q, causal, softmax_scale, q_start, k_start, window, chunk_size,
-                     backend, what, error) -> AttentionSpec:
+                     backend, softcap, what, error) -> AttentionSpec:
         return cls(what, causal, softmax_scale, q_start, k_start, tuple(window), cu_seqlens, cu_seqlens_q,
-                   chunk_size, backend, error)
+                   chunk_size, backend, softcap, error)
 
 
 def group_name(group: dist.ProcessGroup | None) -> str:
@@ -190,11 +192,12 @@ class RingSpec:
     backend: str = "auto"
     timeout: float | None = None
     agree: bool = True
+    softcap: float = 0.0
     error: str = ""
 
     @classmethod
     def make(cls, *, causal, softmax_scale, group, layout, return_lse, window_size, cu_seqlens, backend, timeout,
-             agree: bool = True) -> RingSpec:
+             agree: bool = True, softcap=0.0) -> RingSpec:
         """The spec of a `ring_attention` call with these keyword arguments; a malformed option becomes
         `error` (every rank must reach the agreement, so nothing option-dependent raises here)."""
         what, errors = "ring_attention", _Errors()
@@ -216,16 +219,17 @@ class RingSpec:
                    take(lambda: _check_float(softmax_scale, "softmax_scale", what), None), name,
                    take(check_layout, None), take(lambda: check_flag(return_lse, "return_lse", what), False),
                    take(lambda: check_window(window_size, what), (-1, -1)), take(lambda: boundaries(cu_seqlens), None),
-                   take(lambda: backend_name(backend), "auto"), take(check_timeout, None), agree)
+                   take(lambda: backend_name(backend), "auto"), take(check_timeout, None), agree,
+                   take(lambda: check_softcap(softcap, what), 0.0))
         return replace(spec, error=errors.text())
 
     def op_args(self) -> tuple:
         """The custom op's arguments after q, k, v (`ringlse.ops`), in its schema's order."""
         return (self.cu_seqlens, self.causal, self.softmax_scale, self.group, self.layout or "", self.return_lse,
-                list(self.window_size), self.backend, self.timeout, self.agree, self.error)
+                list(self.window_size), self.backend, self.timeout, self.agree, self.softcap, self.error)
 
     @classmethod
     def from_op_args(cls, cu_seqlens, causal, softmax_scale, group, layout, return_lse, window, backend, timeout,
-                     agree, error) -> RingSpec:
+                     agree, softcap, error) -> RingSpec:
         return cls(causal, softmax_scale, group, layout or None, return_lse, tuple(window), cu_seqlens, backend,
-                   timeout, agree, error)
+                   timeout, agree, softcap, error)

@@ -133,7 +133,8 @@ def test_the_agreement_row_round_trips():
     q, k = torch.zeros(2, 12, 4, 16, dtype=torch.bfloat16), torch.zeros(2, 12, 2, 16, dtype=torch.bfloat16)
     rows = [AgreementRow.of_call(q, k, True, "zigzag", 0.25, False, True, Rule(True, (8, 0), (0, 5, 24))),
             AgreementRow.of_call(q, k, False, "stripe", 16**-0.5, True, False, Rule(False)),
-            AgreementRow.invalid()]
+            AgreementRow.invalid(),
+            AgreementRow.of_call(q, k, True, "zigzag", 0.25, False, True, Rule(True, (8, 0), (0, 5, 24)), softcap=30.0)]
     for row in rows:
         ints = row.to_row()
         assert all(isinstance(x, int) for x in ints) and len(ints) == len(rows[0].to_row())
@@ -146,6 +147,9 @@ def test_the_agreement_row_round_trips():
     assert set(rows[2].describe().values()) == {"(invalid)"}
     with pytest.raises(ValueError, match=r"causal: True on rank 0, False on rank 1"):
         decide([[0, *rows[0].to_row()], [0, *rows[1].to_row()]], None, describe_row)
+    assert rows[3].describe()["softcap"] == "30" and rows[0].describe()["softcap"] == "0"
+    with pytest.raises(ValueError, match=r"softcap: 0 on rank 0, 30 on rank 1"):
+        decide([[0, *rows[0].to_row()], [0, *rows[3].to_row()]], None, describe_row)
 
 
 class _FakeWork:

@@ -44,6 +44,20 @@ def test_llama_ring_equals_whole_model(world, tmp_path):
                 assert r["frames"] == 1, f"{where}: {r['frames']} graphs (a graph break)"
 
 
+def test_gemma2_softcap_ring_equals_whole_model(tmp_path):
+    """Gemma 2's logit softcapping (and its sliding window) through the ring, against the whole model on
+    transformers' eager attention (sdpa refuses softcap; eager's softmax rounds to float32)."""
+    seqlen = 2 * 2 * 11
+    cases = [dict(layout=layout, seqlen=seqlen, docs=docs, compiled=False, arch="gemma2")
+             for layout, docs in (("contiguous", None), ("zigzag", _docs(seqlen)))]
+    per_rank = run_ranks(tw.llama_rings, 2, tmp_path, cases, timeout=300)
+    for rank, results in enumerate(per_rank):
+        for case, r in zip(cases, results):
+            where = f"rank {rank} {case}"
+            assert r["logits"] <= FLOAT32_SOFTMAX, where
+            assert r["grads"] <= FLOAT32_SOFTMAX, where
+
+
 def test_packed_documents_equal_documents_one_by_one():
     rt.register()
     model = tw.tiny_llama()

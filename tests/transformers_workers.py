@@ -21,6 +21,19 @@ def tiny_llama(seed: int = 0, **overrides):
     return LlamaForCausalLM(LlamaConfig(**cfg)).double()
 
 
+def tiny_gemma2(seed: int = 0):
+    """A 2-layer Gemma 2 with random weights, logit softcapping (attn_logit_softcapping 0.5, made to bite
+    with a scale of 1) and a sliding window of 6 on alternate layers, float64, no download."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attention_dropout=0.0,
+               sliding_window=6, attn_logit_softcapping=0.5, query_pre_attn_scalar=1, pad_token_id=0,
+               bos_token_id=1, eos_token_id=2)
+    return Gemma2ForCausalLM(Gemma2Config(**cfg)).double()
+
+
 def packed_inputs(seqlen: int, docs: list[int] | None, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """`(input_ids, position_ids)` `[1, seqlen]`: positions restart at 0 at every boundary of `docs`."""
     g = torch.Generator().manual_seed(seed)
@@ -50,9 +63,11 @@ def llama_rings(rank: int, world: int, cases: list[dict]) -> list[dict]:
     return [llama_ring(rank, world, **case) for case in cases]
 
 
-def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] | None, compiled: bool) -> dict:
+def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] | None, compiled: bool,
+               arch: str = "llama") -> dict:
     """Max abs differences, ring vs whole (transformers' sdpa: exact in float64; eager rounds its
-    softmax to float32), of logits and of parameter gradients summed over the ranks."""
+    softmax to float32), of logits and of parameter gradients summed over the ranks. `arch="gemma2"`:
+    `tiny_gemma2` (softcapping, which transformers' sdpa refuses: both references are its eager)."""
     import torch.distributed as dist
     import torch._dynamo
     import torch._dynamo.testing
@@ -61,9 +76,9 @@ def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] 
     from ringlse.integrations import transformers as rt
 
     rt.register()
-    model = tiny_llama()
+    model = tiny_llama() if arch == "llama" else tiny_gemma2()
     ids, pos = packed_inputs(seqlen, docs)
-    ref_logits, ref_grads = whole_model(model, ids, pos, docs, "sdpa")
+    ref_logits, ref_grads = whole_model(model, ids, pos, docs, "sdpa" if arch == "llama" else "eager")
     eager_logits, _ = whole_model(model, ids, pos, docs, "eager")
 
     model.config._attn_implementation = "ringlse"
@@ -92,7 +107,7 @@ def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] 
 
 def refused_in_ring(rank: int, world: int) -> dict[str, str]:
     """Inside `ring()`, keywords the attention does not compute raise on this rank (every rank gets the
-    same keywords); the group still works after them."""
+    same keywords; softcap is computed: "no error"); the group still works after them."""
     import torch.distributed as dist
 
     from ringlse.integrations import transformers as rt

@@ -23,6 +23,7 @@ from functools import cache
 import torch
 
 from ringlse.blocks.contract import BlockOp
+from ringlse.checks import SOFTCAP_BACKENDS, V_HEAD_DIM_BACKENDS, feature_refused
 from ringlse.kernel_import import have_triton, interpreting
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -99,12 +100,20 @@ def auto_candidates(capability: tuple[int, int] | None, dtype: torch.dtype | Non
 
 
 def backend_unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype | None = None,
-                               masked: bool = False, head_dim: int | None = None, window: bool = False) -> str | None:
+                               masked: bool = False, head_dim: int | None = None, window: bool = False, *,
+                               softcap: float = 0.0, v_head_dim: int | None = None) -> str | None:
     """Why backend `name` cannot run on `device` (with inputs of `dtype` and `head_dim`, if given;
     with windows or documents as intervals if `masked`; with a window, as intervals or as a rule, if
-    `window`), or None."""
+    `window`; with logit softcapping if `softcap` > 0; with V head dim `v_head_dim` if it differs from
+    `head_dim`), or None."""
     if name not in _BACKENDS:
         return f"unknown backend {name!r}"
+    if softcap and name not in SOFTCAP_BACKENDS:
+        return (f"softcap {softcap:g}: {name} does not take softcap "
+                f"(backends that take it: {', '.join(SOFTCAP_BACKENDS)})")
+    if v_head_dim is not None and head_dim is not None and v_head_dim != head_dim and name not in V_HEAD_DIM_BACKENDS:
+        return (f"V head dim {v_head_dim} differs from Q/K head dim {head_dim}: {name} does not take it "
+                f"(backends that take it: {', '.join(V_HEAD_DIM_BACKENDS)})")
     if window and not masked and name != "flash" and not (_BACKENDS[name][3] or name in _TAKES_WINDOW):
         takers = [n for n, entry in _BACKENDS.items() if entry[3] or n in _TAKES_WINDOW]
         return f"{name} does not take windows (backends that do: {', '.join(takers)})"
@@ -149,28 +158,36 @@ def backend_unavailable_reason(name: str, device: torch.device | str, dtype: tor
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype | None = None, masked: bool = False,
-                       head_dim: int | None = None, window: bool = False) -> list[str]:
+                       head_dim: int | None = None, window: bool = False, **features) -> list[str]:
     """Names of the backends that can run on `device` (for inputs of `dtype` and `head_dim`, if
     given; taking windows and documents as intervals, if `masked`; taking a window, if `window`)."""
-    return [n for n in _BACKENDS if backend_unavailable_reason(n, device, dtype, masked, head_dim, window) is None]
+    return [n for n in _BACKENDS
+            if backend_unavailable_reason(n, device, dtype, masked, head_dim, window, **features) is None]
 
 
 def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torch.dtype | None = None,
-                 masked: bool = False, head_dim: int | None = None, window: bool = False) -> BlockOp:
+                 masked: bool = False, head_dim: int | None = None, window: bool = False, *,
+                 softcap: float = 0.0, v_head_dim: int | None = None) -> BlockOp:
     """The block op for `backend` on `device` and inputs of `dtype` and `head_dim`. `auto` is the
     first of `auto_candidates` that can run the call: on an sm90 GPU (H100, H200) with fp16/bf16,
     `fa4` where FlashAttention-4 is installed, else `sdpa` (cuDNN), else `triton`; on other GPUs
     `triton`, then `sdpa`; with `masked` (windows, documents as intervals) `triton`; `torch` on the
     CPU and for float64. `flash` is `fa4`'s op where FlashAttention-4 imports and the GPU is sm90 or
     newer, else `fa2`'s. A `BlockOp` is returned as it is (your own kernels, or a registry op on a
-    device it is not offered for, such as `sdpa`'s CPU kernels in tests).
+    device it is not offered for, such as `sdpa`'s CPU kernels in tests; it too is refused for a
+    `softcap` > 0 or a `v_head_dim` other than `head_dim` its `Capabilities` do not take). With either,
+    only `SOFTCAP_BACKENDS` / `V_HEAD_DIM_BACKENDS` (`torch`, `triton`) qualify, `auto` included.
 
     Raises:
         ValueError: unknown or unavailable backend, or one that does not compute `dtype`; the
             message lists what is available.
         TypeError: `backend` is neither a name nor a `BlockOp`.
     """
+    features = dict(softcap=softcap, v_head_dim=v_head_dim)
     if isinstance(backend, BlockOp):
+        why = feature_refused(backend.name, backend.caps, softcap, head_dim or 0, v_head_dim or head_dim or 0)
+        if why is not None:
+            raise ValueError(why)
         return backend
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a name or a BlockOp, got {type(backend).__name__}")
@@ -179,19 +196,21 @@ def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torc
         cap = _capability(device) if device.type == "cuda" else None
         candidates = auto_candidates(None if isinstance(cap, str) else cap, dtype, masked)
         name = next((n for n in candidates
-                     if backend_unavailable_reason(n, device, dtype, masked, head_dim, window) is None), "torch")
+                     if backend_unavailable_reason(n, device, dtype, masked, head_dim, window, **features) is None),
+                    "torch")
     else:
         name = backend
-    reason = backend_unavailable_reason(name, device, dtype, masked, head_dim, window)
+    reason = backend_unavailable_reason(name, device, dtype, masked, head_dim, window, **features)
     if reason is not None:
         raise ValueError(
             f"backend {backend!r} is not available on {device.type}"
             + (f" for {dtype}" if dtype is not None else "")
-            + f": {reason}; available here: {available_backends(device, dtype, masked, head_dim, window)} (or 'auto')"
+            + f": {reason}; available here: {available_backends(device, dtype, masked, head_dim, window, **features)}"
+            " (or 'auto')"
         )
     if name == "flash":  # the best FlashAttention that can run
         name = next(n for n in _FLASH_ORDER
-                    if backend_unavailable_reason(n, device, dtype, masked, head_dim, window) is None)
+                    if backend_unavailable_reason(n, device, dtype, masked, head_dim, window, **features) is None)
     module, attr, _, _ = _BACKENDS[name]
     return getattr(importlib.import_module(module), attr)
 

@@ -13,7 +13,8 @@ from ringlse.merge import GradPart
 class BlockArgs(NamedTuple):
     """The arguments of a block-op call besides its tensors (`ringlse.blocks.contract`): the scale and
     the mask, plain (`causal` with `q_start`/`k_start`), through `intervals` (with `causal=False`) or
-    as a window rule (`window`, for ops with `Masks.WINDOW`)."""
+    as a window rule (`window`, for ops with `Masks.WINDOW`); `softcap` (0: off) caps the scaled scores
+    to `softcap * tanh(score / softcap)`, for ops with `Capabilities.softcap`."""
 
     softmax_scale: float
     causal: bool
@@ -21,10 +22,14 @@ class BlockArgs(NamedTuple):
     k_start: int
     intervals: Intervals | None = None
     window: tuple[int, int] | None = None
+    softcap: float = 0.0
 
     def kwargs(self) -> dict:
-        """The block op's keyword arguments (an op is only given the mask arguments it takes)."""
+        """The block op's keyword arguments (an op is only given the mask arguments it takes, and
+        `softcap` only when it is on: ops without `Capabilities.softcap` are refused before that)."""
         kw = dict(softmax_scale=self.softmax_scale, causal=self.causal, q_start=self.q_start, k_start=self.k_start)
+        if self.softcap:
+            kw["softcap"] = self.softcap
         if self.intervals is not None:
             kw["intervals"] = self.intervals
         if self.window is not None:
@@ -48,9 +53,10 @@ class BlockCall(NamedTuple):
     intervals: Intervals | None = None
     window: tuple[int, int] | None = None  # for ops that take windows as a rule (`Masks.WINDOW`)
 
-    def args(self, softmax_scale: float) -> BlockArgs:
+    def args(self, softmax_scale: float, softcap: float = 0.0) -> BlockArgs:
         """This call's `BlockArgs`."""
-        return BlockArgs(softmax_scale, self.causal, self.q_start, self.k_start, self.intervals, self.window)
+        return BlockArgs(softmax_scale, self.causal, self.q_start, self.k_start, self.intervals, self.window,
+                         softcap)
 
     def block_args(self) -> dict:
         """The mask arguments of a block-op call for this call (as keywords)."""

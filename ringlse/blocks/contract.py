@@ -87,6 +87,10 @@ class Capabilities:
     # with split_backward: `(q, k, v) -> bool`, whether the backward adds dq in the same pass as dk/dv
     # for these inputs; the ring then adds dq with each piece instead of in a second pass over the step
     dq_with_dkdv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], bool] | None = None
+    # forward and backward take `softcap=` (> 0): scores capped to `softcap * tanh(score / softcap)`
+    softcap: bool = False
+    # v may have a head dim other than q/k's (out, dout, dv and out accumulators then have v's)
+    v_head_dim: bool = False
 
 
 @dataclass(frozen=True)

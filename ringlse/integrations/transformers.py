@@ -24,12 +24,13 @@ model's own extra mask functions (image tokens, chunked attention and the like) 
 not end the keys (a static cache).
 
 Never silently wrong: every keyword transformers passes to the attention function is computed
-(scaling, is_causal, sliding_window, position_ids, cu_seq_lens_q/k, s_aux / sinks: GPT-OSS's attention
-sinks), ignored on purpose because it
-carries no attention math (`IGNORED_KEYWORDS`, each with its reason), or refused with an error naming
-the model feature: softcapping (Gemma 2), a V head dim other than Q/K's
-(DeepSeek-style MLA), dropout, position biases, sparse indices, attention weights, and any keyword
-this module does not know. Every rank runs the same model, so every rank raises, before any K/V moves.
+(scaling, is_causal, sliding_window, position_ids, cu_seq_lens_q/k, softcap: Gemma 2's logit
+softcapping, s_aux / sinks: GPT-OSS's attention sinks), ignored on purpose because it carries no
+attention math (`IGNORED_KEYWORDS`, each with its reason), or refused with an error naming the model
+feature: dropout, position biases, sparse indices, attention weights, and any keyword this module does
+not know. A V head dim other than Q/K's (DeepSeek-style MLA) is computed single-device; inside `ring()`
+it raises (the ring does not take it yet). Every rank runs the same model, so every rank raises, before
+any K/V moves.
 """
 
 from __future__ import annotations
@@ -133,7 +134,6 @@ IGNORED_KEYWORDS: dict[str, str] = {
 # Keywords that change the math, refused (with the model feature they stand for) unless they hold the
 # value that leaves attention plain.
 _REFUSED_KEYWORDS: dict[str, str] = {
-    "softcap": "logit softcapping (Gemma 2's attn_logit_softcapping)",
     "position_bias": "an additive position bias (T5-style relative attention)",
     "head_mask": "a per-head mask",
     "indices": "sparse attention over selected keys (DeepSeek-V3.2-style indexer)",
@@ -145,7 +145,7 @@ _REFUSED_KEYWORDS: dict[str, str] = {
 
 
 # Keywords computed by `attention_forward` besides its named parameters (documents, flash-attn style).
-_COMPUTED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "s_aux", "sinks")
+_COMPUTED_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "softcap", "s_aux", "sinks")
 
 
 def _check_keywords(kwargs: dict) -> None:
@@ -155,7 +155,7 @@ def _check_keywords(kwargs: dict) -> None:
         if name in IGNORED_KEYWORDS or name in _COMPUTED_KEYWORDS:
             continue
         if name in _REFUSED_KEYWORDS:
-            if value is None or (name == "softcap" and not value):  # the value that leaves attention plain
+            if value is None:  # the value that leaves attention plain
                 continue
             raise NotImplementedError(f"ringlse attention does not compute {_REFUSED_KEYWORDS[name]}: the model "
                                       f"passes {name}={_describe(value)}; use another attn_implementation")
@@ -173,13 +173,6 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"<tensor {tuple(value.shape)}>"
     return repr(value)
-
-
-def _check_head_dims(query: torch.Tensor, value: torch.Tensor) -> None:
-    if value.shape[-1] != query.shape[-1]:
-        raise NotImplementedError(f"ringlse attention: V head dim {value.shape[-1]} differs from Q/K head dim "
-                                  f"{query.shape[-1]} (DeepSeek-style MLA): a V head dim other than Q/K's is not "
-                                  "computed by ringlse yet; use another attn_implementation")
 
 
 def _flash_documents(kwargs: dict, position_docs: list[int] | None, n: int, batch: int) -> list[int] | None:
@@ -211,7 +204,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     _check_keywords(kwargs)
     if dropout:
         raise ValueError("ringlse attention has no dropout: set the config's attention_dropout to 0")
-    _check_head_dims(query, value)
+    softcap = float(kwargs.get("softcap") or 0.0)  # Gemma 2 passes None when its config has none
     _check_mask(attention_mask)
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # GPT-OSS's learnable sink per head
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
@@ -231,7 +224,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         else:
             docs = _flash_documents(kwargs, _documents(position_ids, q.shape[1]), q.shape[1], q.shape[0])
         return attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, cu_seqlens=docs,
-                         sinks=sinks), None
+                         sinks=sinks, softcap=softcap), None
     if packed:
         raise NotImplementedError("ringlse ring attention: cu_seq_lens_q/k describe this rank's shard, not the "
                                   "global sequence: pass prepare_batch(...).cu_seqlens to ring() instead")
@@ -241,7 +234,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError("ringlse ring attention: position_ids restart inside this rank's shard, but ring() "
                          "got no cu_seqlens: pass prepare_batch(...).cu_seqlens")
     out = ring_attention(q, k, v, causal=causal, softmax_scale=scaling, group=r.group_name, layout=r.layout,
-                         window_size=window, cu_seqlens=r.cu_seqlens, backend=r.backend, sinks=sinks)
+                         window_size=window, cu_seqlens=r.cu_seqlens, backend=r.backend, sinks=sinks,
+                         softcap=softcap)
     return out, None
 
 

@@ -30,6 +30,7 @@ def ring_attention(
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     backend: str | BlockOp = "auto",
     timeout: datetime.timedelta | float | None = None,
+    softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention over a sequence sharded across the ranks of `group`.
@@ -57,6 +58,9 @@ def ring_attention(
             message, forward and backward) may take, as a `datetime.timedelta` or seconds; default:
             the process group's timeout. On NCCL an explicit one makes the host wait for each
             transfer (`Work.wait(timeout)`); without it the NCCL watchdog enforces the group's.
+        softcap: 0 (off) or `s > 0`: scores capped to `s * tanh(scale * q.k / s)` before the softmax
+            (`torch` and `triton` backends; the ranks must agree on it). A V head dim other than
+            Q/K's is not taken by the ring yet (ValueError on every rank).
 
     Returns:
         This rank's `out` `[batch, n, nheads, headdim]` (q's dtype), or `(out, lse)`. Differentiable:
@@ -72,7 +76,7 @@ def ring_attention(
     """
     spec = RingSpec.make(causal=causal, softmax_scale=softmax_scale, group=group, layout=layout,
                          return_lse=return_lse, window_size=window_size, cu_seqlens=cu_seqlens, backend=backend,
-                         timeout=timeout)
+                         timeout=timeout, softcap=softcap)
     problem = check_sinks(sinks, q, "ring_attention") if isinstance(q, torch.Tensor) else None
     if problem is not None:  # raised on every rank together, through the agreement
         spec = replace(spec, error=spec.error or f"ValueError: {problem}")

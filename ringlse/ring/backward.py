@@ -46,7 +46,8 @@ class Pieces:
     def of(cls, call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Pieces:
         caps = call.op.caps
         split = caps.split_backward and call.comm.world >= 3
-        with_dkdv = split and caps.dq_with_dkdv is not None and caps.dq_with_dkdv(q, k, v)
+        with_dkdv = split and caps.dq_with_dkdv is not None and (
+            caps.dq_with_dkdv(q, k, v, softcap=call.softcap) if call.softcap else caps.dq_with_dkdv(q, k, v))
         return cls(q.shape[1], split, split and not with_dkdv)
 
     def cut(self, plan: Sequence[BlockCall]) -> list[list[BlockCall]]:
@@ -73,7 +74,8 @@ def ring_backward(call: RingCall, g: GradInputs, k: torch.Tensor, v: torch.Tenso
     def add(calls: Sequence[BlockCall], kv: KV, dq_into: PartSum | None, dk_into: PartSum | None,
             dv_into: PartSum | None, key0: int = 0) -> None:
         for c in calls:
-            acc.add_grads(call.op, g, c, kv, c.args(call.scale), dq_into and GradTarget(dq_into, c.q0, c.q1),
+            acc.add_grads(call.op, g, c, kv, c.args(call.scale, call.softcap),
+                          dq_into and GradTarget(dq_into, c.q0, c.q1),
                           dk_into and GradTarget(dk_into, c.k0 - key0, c.k1 - key0),
                           dv_into and GradTarget(dv_into, c.k0 - key0, c.k1 - key0))
 

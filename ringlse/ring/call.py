@@ -39,3 +39,4 @@ class RingCall:
     transport: Transport
     with_lse: bool
     limit: datetime.timedelta | None
+    softcap: float = 0.0  # 0: off

@@ -106,7 +106,7 @@ def _check_timeout(timeout) -> datetime.timedelta | None:
 
 def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, softmax_scale, group, layout,
               return_lse, window_size, cu_seqlens, backend, timeout, agree: bool = True,
-              local_error: str | None = None) -> RingPlan:
+              local_error: str | None = None, softcap: float = 0.0) -> RingPlan:
     """The `AttentionPlan` of one `ring_attention` call (arguments as there), after every check.
 
     With `agree` (the forward), every rank compares its inputs with the others' (`ValueError` on
@@ -134,14 +134,19 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
     if error is None:
         try:
             scale = check_scale(softmax_scale, q.shape[-1], "ring_attention")
-            op = get_block_op(backend, q.device, q.dtype, masked=not rule.plain, head_dim=q.shape[-1])
+            if v.shape[-1] != q.shape[-1]:  # K and V travel in one buffer of K's shape (`kv_transport`)
+                raise ValueError(f"ring_attention: V head dim {v.shape[-1]} differs from Q/K head dim {q.shape[-1]}: "
+                                 "a V head dim other than Q/K's is not supported in the ring yet; single-device "
+                                 "attention takes it (torch, triton backends)")
+            op = get_block_op(backend, q.device, q.dtype, masked=not rule.plain, head_dim=q.shape[-1],
+                              softcap=softcap)
             if not rule.plain and op.caps.masks is not Masks.INTERVALS:
                 raise ValueError(f"ring_attention: windows and documents need a backend that takes intervals; "
                                  f"the {op.name!r} block op does not")
         except (ValueError, TypeError) as e:
             error = str(e)
     row = AgreementRow.invalid() if error is not None else AgreementRow.of_call(
-        q, k, causal, layout, scale, return_lse, transport is Transport.COPY_ENGINE, rule)
+        q, k, causal, layout, scale, return_lse, transport is Transport.COPY_ENGINE, rule, softcap)
     if agree:
         check = comm.post_agreement(row.to_row(), error, limit, describe_row)
         if error is not None:
@@ -152,5 +157,6 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
         check = Agreement(lambda: True, lambda: None)
     plans, peer_plans = step_plans(layout, comm.rank, comm.world, q.shape[1], rule)
     route = kv_route(layout, comm.world, q.shape[1], rule)
-    call = RingCall(op, scale, comm, plans, peer_plans, route, transport, return_lse, comm.transfer_limit(limit))
+    call = RingCall(op, scale, comm, plans, peer_plans, route, transport, return_lse, comm.transfer_limit(limit),
+                    softcap)
     return RingPlan(call, check)

@@ -32,7 +32,8 @@ def ring_forward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     def attend(plan: Sequence[BlockCall], kv: KV | None) -> None:
         for c in plan:
-            state.add(q[:, c.q0:c.q1], kv[0][:, c.k0:c.k1], kv[1][:, c.k0:c.k1], c.q0, c.q1, c.args(call.scale))
+            state.add(q[:, c.q0:c.q1], kv[0][:, c.k0:c.k1], kv[1][:, c.k0:c.k1], c.q0, c.q1,
+                      c.args(call.scale, call.softcap))
 
     own_first = not check.ready()
     if own_first:
