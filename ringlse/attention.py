@@ -108,6 +108,8 @@ def attention(
 
     Returns:
         `out` like `q`, or `(out, lse)`.
+
+    Its keywords are the call's options, one per feature, as in flash-attn's interface.
     """
     check_flag(return_lse, "return_lse", "attention")
     spec = AttentionSpec.make("attention", causal=causal, softmax_scale=softmax_scale, q_start=None, k_start=0,
@@ -145,6 +147,8 @@ def chunked_attention(
 
     Returns:
         `out` like `q` (or `(out, lse)`), differentiable in q, k, v.
+
+    Its keywords are the call's options, one per feature, as in flash-attn's interface.
     """
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunked_attention: chunk_size must be a positive int, got {chunk_size!r}")
@@ -185,6 +189,8 @@ def varlen_attention(
 
     Returns:
         `out` `[total_q, nheads, headdim]` like `q`, or `(out, lse)`; differentiable.
+
+    Its keywords are the call's options, one per feature, as in flash-attn's interface.
     """
     what = "varlen_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -97,7 +97,10 @@ def attention_math(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention of `reference_attention` with every operation in `dtype` (float64: the reference;
-    the input dtype: the naive baseline of `ringlse.testing`). Returns `(out, lse)` in `dtype`."""
+    the input dtype: the naive baseline of `ringlse.testing`). Returns `(out, lse)` in `dtype`.
+
+    Its many parameters are the call's options, one keyword each, as the public entry points take them.
+    """
     # one check for every malformed input (3-D tensors, nheads_kv = 0 included), so callers always get
     # this ValueError rather than an unpacking error or a ZeroDivisionError
     if (

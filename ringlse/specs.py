@@ -122,7 +122,10 @@ class AttentionSpec:
     def make(cls, what: str, *, causal, softmax_scale, q_start, k_start, window_size, cu_seqlens, backend,
              chunk_size=None, cu_seqlens_q=None, softcap=0.0) -> AttentionSpec:
         """The spec of a call to `what` with these keyword arguments; a malformed one is kept in `error`
-        (raised by the op, `raise_error`)."""
+        (raised by the op, `raise_error`).
+
+        Its keywords are the public function's options, passed through as they are.
+        """
         errors = _Errors()
 
         def check_starts():

@@ -151,7 +151,10 @@ def ring_with_grads(q, k, v, dout, dlse=None, *, causal: bool, layout: str, back
     and gather: the full-sequence `(out, lse, dq, dk, dv)` on every rank.
 
     With `return_lse=False` (no `dlse` then) the differentiated call returns `out` alone, as most
-    training code calls it, and the lse comes from a second, gradient-free call."""
+    training code calls it, and the lse comes from a second, gradient-free call.
+
+    Its many parameters are the call's options, one keyword each, as the public entry points take them.
+    """
     from ringlse.ring import ring_attention, shard, unshard
 
     local = [shard(t, layout, group=group) for t in (q, k, v, dout)]
