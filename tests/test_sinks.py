@@ -1,6 +1,7 @@
 """Learnable attention sinks (CONVENTIONS.md §3): one logit per query head joins every row's softmax
 denominator exactly once, on every entry point, backend and ring, forward and backward (d sinks
-included), against a float64 oracle written from the definition (`sinks_oracle.py`)."""
+included), against the dense float64 oracle written from the definition (`mask_oracle.oracle` with
+`sinks`: one more score column per row, as GPT-OSS's eager attention)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from hypothesis import strategies as st
 
 import ringlse
 from dist_harness import run_ranks
+from mask_oracle import oracle
 from ringlse.blocks.sdpa import SDPA_BLOCK_OP
-from sinks_oracle import sink_oracle
 
 F64 = torch.float64
+
+
+def sink_oracle(q, k, v, q_pos, k_pos, causal, window, docs, sinks):
+    return oracle(q, k, v, q_pos, k_pos, causal, window, docs, sinks=sinks)
 
 
 def _inputs(b, sq, sk, h, hkv, d, seed, dtype=F64):
