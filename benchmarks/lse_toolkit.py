@@ -26,9 +26,6 @@ constants (`CONFIG`) are those winners.
 Usage: python benchmarks/lse_toolkit.py [--out DIR] [--quick] [--skip tune,family,log_bmm] [--no-coop]
     writes DIR/lse_toolkit-<gpu>.json and DIR/lse_toolkit-<gpu>-{softmax,log_bmm}.png; --quick: the
     committed constants (no sweeps), float32 cases and three log_bmm sizes only
-python benchmarks/lse_toolkit.py --launch-ab [--out DIR]
-    the private launcher against Triton's own launch, on the public functions (`lse_launch.py`): writes
-    DIR/lse_launch-<gpu>.json, whose `keep_fast_launcher` and `verdict` say whether it buys >= 10%
 
 On one H200 a full run takes about 2 minutes after the kernels compile.
 """
@@ -494,15 +491,7 @@ def main() -> None:
                     help="no variant sweeps (the committed constants), float32 cases only, three log_bmm sizes")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: tune,family,log_bmm")
     ap.add_argument("--no-coop", action="store_true", help="measure without the cooperative long-row kernels")
-    ap.add_argument("--launch-ab", action="store_true",
-                    help="only the launcher A/B (lse_launch.py): the public functions with the private launcher "
-                         "on and off by turns, to DIR/lse_launch-<gpu>.json")
     args = ap.parse_args()
-    if args.launch_ab:
-        from lse_launch import launch_ab  # (this file's folder is on sys.path when run as a script)
-
-        launch_ab(args.out)
-        return
     skip = set(filter(None, args.skip.split(",")))
     if args.quick:
         skip.add("tune")
