@@ -22,7 +22,8 @@ from ringlse.attention_plan import attend_plan
 from ringlse.checks import lse_dtype
 from ringlse.ring.entry import ring_plan
 from ringlse.sinks import add_sinks
-from ringlse.specs import AttentionSpec, RingSpec, backend_from_name, group_from_name, raise_error
+from ringlse.specs import (AttentionSpec, RingSpec, backend_from_name, error_message, group_from_name,
+                           raise_error)
 
 # plans of recent calls by shapes and options: a model's layers share one; enough for the calls
 # between a forward and its backward in any model we know
@@ -78,6 +79,29 @@ def _fake_grads(g_out, g_lse, q, k, v, out, lse, *options):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def _function(name: str) -> type[torch.autograd.Function]:
+    """The `autograd.Function` over the op `ringlse::{name}` and its backward op; its options (after q,
+    k, v; the document boundaries among them) go to the backward as they came."""
+    forward_op, backward_op = getattr(torch.ops.ringlse, name), getattr(torch.ops.ringlse, f"{name}_backward")
+
+    class _Call(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, *options):
+            ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero gradient
+            out, lse = forward_op(q, k, v, *options)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.options = options
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, g_out, g_lse):
+            grads = backward_op(g_out, g_lse, *ctx.saved_tensors, *ctx.options)
+            return (*grads, *([None] * len(ctx.options)))
+
+    _Call.__name__ = _Call.__qualname__ = f"_{name.capitalize()}"
+    return _Call
+
+
 # ---- single device -------------------------------------------------------------------------------
 
 def _attend_plan(q: Tensor, k: Tensor, v: Tensor, args: tuple):
@@ -102,22 +126,7 @@ _define("attend", f"{_QKV}, {_ATTEND_OPTIONS}", "Tensor, Tensor", _attend_impl,
         lambda q, k, v, *options: _fake_out_lse(q, v))
 _define("attend_backward", f"{_GRADS_IN}, {_ATTEND_OPTIONS}", "Tensor, Tensor, Tensor", _attend_backward_impl,
         _fake_grads)
-
-
-class _Attend(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, cu_seqlens_q, *options):
-        ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero gradient
-        out, lse = torch.ops.ringlse.attend(q, k, v, cu_seqlens, cu_seqlens_q, *options)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.bounds, ctx.options = (cu_seqlens, cu_seqlens_q), options
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, g_out, g_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = torch.ops.ringlse.attend_backward(g_out, g_lse, q, k, v, out, lse, *ctx.bounds, *ctx.options)
-        return (*grads, None, None, *([None] * len(ctx.options)))
+_Attend = _function("attend")
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, sinks: Tensor | None = None
@@ -134,7 +143,8 @@ def _ring_plan(q: Tensor, k: Tensor, v: Tensor, args: tuple, agree: bool):
     plan = ring_plan(q, k, v, causal=spec.causal, softmax_scale=spec.softmax_scale, group=group_from_name(spec.group),
                      layout=spec.layout, return_lse=spec.return_lse, window_size=spec.window_size,
                      cu_seqlens=spec.cu_seqlens, backend=backend_from_name(spec.backend), timeout=spec.timeout,
-                     agree=agree and spec.agree, local_error=spec.error or None, softcap=spec.softcap)
+                     agree=agree and spec.agree, local_error=error_message(spec.error) or None,
+                     softcap=spec.softcap)
     return _remember(_key("ring", (q, k, v), args), plan)
 
 
@@ -154,22 +164,7 @@ _define("ring", f"{_QKV}, {_RING_OPTIONS}", "Tensor, Tensor", _ring_impl,
         lambda q, k, v, *options: _fake_out_lse(q, v))
 _define("ring_backward", f"{_GRADS_IN}, {_RING_OPTIONS}", "Tensor, Tensor, Tensor", _ring_backward_impl,
         _fake_grads)
-
-
-class _Ring(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, *options):
-        ctx.set_materialize_grads(False)
-        out, lse = torch.ops.ringlse.ring(q, k, v, cu_seqlens, *options)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.bounds, ctx.options = cu_seqlens, options
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, g_out, g_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = torch.ops.ringlse.ring_backward(g_out, g_lse, q, k, v, out, lse, ctx.bounds, *ctx.options)
-        return (*grads, None, *([None] * len(ctx.options)))
+_Ring = _function("ring")
 
 
 def ring(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -12,6 +12,7 @@ built, with the tensors at hand.
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -23,8 +24,8 @@ from ringlse.checks import check_flag, check_softcap
 from ringlse.masks import check_window
 
 # `BlockOp`s passed as `backend=` by callers, by the name the custom ops know them by (an op schema
-# takes strings, not objects); kept for the life of the process, like the ops themselves.
-_BLOCK_OPS: dict[str, BlockOp] = {}
+# takes strings, not objects); held weakly, so an op a caller drops is not kept alive here.
+_BLOCK_OPS: weakref.WeakValueDictionary[str, BlockOp] = weakref.WeakValueDictionary()
 
 
 def backend_name(backend: str | BlockOp) -> str:
@@ -74,14 +75,22 @@ class _Errors:
             return default
 
     def text(self) -> str:
-        return f"{self.kind}: {'; '.join(self.messages)}" if self.messages else ""
+        return _encode(self.kind, "; ".join(self.messages)) if self.messages else ""
+
+
+def _encode(kind: str, message: str) -> str:
+    return f"{kind}: {message}"
+
+
+def error_message(error: str) -> str:
+    """The message of a spec's collected `error` (without its exception type)."""
+    return error.partition(": ")[2]
 
 
 def raise_error(error: str) -> None:
     """Raise a spec's collected `error` (`"TypeError: ..."` or `"ValueError: ..."`), if any."""
     if error:
-        kind, _, message = error.partition(": ")
-        raise (TypeError if kind == "TypeError" else ValueError)(message)
+        raise (TypeError if error.startswith("TypeError") else ValueError)(error_message(error))
 
 
 def _check_int(value: object, name: str, what: str, optional: bool = False) -> None:
@@ -225,6 +234,10 @@ class RingSpec:
                    take(lambda: backend_name(backend), "auto"), take(check_timeout, None), agree,
                    take(lambda: check_softcap(softcap, what), 0.0))
         return replace(spec, error=errors.text())
+
+    def with_problem(self, message: str) -> RingSpec:
+        """This spec with one more `ValueError` about the call (kept after any earlier one)."""
+        return replace(self, error=self.error or _encode("ValueError", message))
 
     def op_args(self) -> tuple:
         """The custom op's arguments after q, k, v (`ringlse.ops`), in its schema's order."""

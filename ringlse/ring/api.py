@@ -4,7 +4,6 @@ then the one autograd path of `ringlse.ops` (the plan: `ringlse.ring.entry`; the
 from __future__ import annotations
 
 import datetime
-from dataclasses import replace
 from collections.abc import Sequence
 
 import torch
@@ -79,7 +78,7 @@ def ring_attention(
                          timeout=timeout, softcap=softcap)
     problem = check_sinks(sinks, q, "ring_attention") if isinstance(q, torch.Tensor) else None
     if problem is not None:  # raised on every rank together, through the agreement
-        spec = replace(spec, error=spec.error or f"ValueError: {problem}")
+        spec = spec.with_problem(problem)
         sinks = None
     out, lse = ops.ring(q, k, v, spec, sinks)
     return (out, lse) if return_lse else out

@@ -111,8 +111,7 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
 
     With `agree` (the forward), every rank compares its inputs with the others' (`ValueError` on
     every rank on a mismatch, before any K/V moves); `local_error` is a problem found with this rank's
-    options before the plan (`RingSpec.error`, "ValueError: ..." or "TypeError: ..."), raised the same
-    way. `agree=False` rebuilds the plan of a call whose forward already agreed, for a backward run
+    options before the plan (`RingSpec.error`'s message), raised the same way. `agree=False` rebuilds the plan of a call whose forward already agreed, for a backward run
     apart from it. Its keywords are `ring_attention`'s public options (more than ten: the call's
     options, which `ringlse.ops` passes through from a `RingSpec`)."""
     comm = RingComm.for_group(group)
@@ -121,7 +120,7 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
     rule, error = _local_rule(q, k, v, layout, causal, window_size, cu_seqlens, return_lse, comm) \
         if layout in LAYOUTS else (None, f"unknown layout {layout!r}; choose one of {LAYOUTS}")
     if local_error:
-        error = local_error.partition(": ")[2]
+        error = local_error
     try:  # every rank of an NCCL group, whatever its inputs: the first call per group is collective
         transport = Transport.COPY_ENGINE if use_copy_engines(comm) else Transport.P2P
     except ValueError as e:
