@@ -12,7 +12,7 @@ import torch
 from ringlse.blocks import get_block_op
 from ringlse.blocks.contract import BlockCall, BlockOp, GradInputs, GradTarget, Masks, StateRows
 from ringlse.checks import check_qkv, check_scale, lse_dtype
-from ringlse.masks import BlockKind, Rule, Span, block_kind, check_docs, check_window, planned_intervals
+from ringlse.masks import BlockKind, Rule, Span, block_kind, check_docs, planned_intervals
 from ringlse.merge import PartSum
 from ringlse.specs import AttentionSpec, backend_from_name
 
@@ -108,7 +108,7 @@ def attend_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attenti
     what = spec.what
     check_qkv(q, k, v, what)
     q_start = spec.k_start + k.shape[1] - q.shape[1] if spec.q_start is None else spec.q_start
-    window = check_window(spec.window_size, what)
+    window = spec.window_size  # checked by AttentionSpec.make
     end = max(q_start + q.shape[1], spec.k_start + k.shape[1])
     docs = check_docs(spec.cu_seqlens, end, what, past_end=True)
     scale = check_scale(spec.softmax_scale, q.shape[-1], what)
@@ -135,7 +135,7 @@ def _varlen_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attent
     qb, kb = check_docs(spec.cu_seqlens_q, q.shape[1], what), check_docs(spec.cu_seqlens, k.shape[1], what)
     if len(qb) != len(kb):
         raise ValueError(f"{what}: cu_seqlens_q has {len(qb) - 1} documents, cu_seqlens_k {len(kb) - 1}")
-    window = check_window(spec.window_size, what)
+    window = spec.window_size  # checked by AttentionSpec.make
     scale = check_scale(spec.softmax_scale, q.shape[-1], what)
     backend = backend_from_name(spec.backend)
     op = get_block_op(backend, q.device, q.dtype, masked=backend == "auto" and window != (-1, -1),
