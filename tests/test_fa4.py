@@ -31,6 +31,7 @@ import pytest
 import torch
 
 import ringlse
+from ringlse.blocks.contract import Masks, Parts
 import ringlse.blocks as registry
 from ringlse.blocks import fa4 as block_fa4
 from ringlse.blocks import flash as block_flash
@@ -511,8 +512,8 @@ def test_fa4_op_refuses_other_dtypes_and_ring_windows(fake_fa4):
         ringlse.ring_attention(q, q, q, window_size=(2, 0), backend=FA4_BLOCK_OP)
     with pytest.raises(ValueError, match="sdpa does not take windows"):
         ringlse.attention(q, q, q, window_size=(2, 0), backend="sdpa")
-    assert FA4_BLOCK_OP.takes_window and not FA4_BLOCK_OP.takes_intervals and not FA4_BLOCK_OP.uses_delta
-    assert FA4_BLOCK_OP.forward_parts is not None and FA4_BLOCK_OP.backward_parts is not None
+    assert FA4_BLOCK_OP.caps.masks is Masks.WINDOW and FA4_BLOCK_OP.delta is None
+    assert isinstance(FA4_BLOCK_OP.accumulation, Parts)
 
 
 def test_fa4_op_without_fa4_is_a_clear_error(monkeypatch):
@@ -701,7 +702,7 @@ def test_registry_entries_match_their_ops():
     for name in ("fa4", "fa2"):
         module, attr, dtypes, intervals = registry._BACKENDS[name]
         op = getattr(importlib.import_module(module), attr)
-        assert op.name == name and op.takes_intervals == intervals and set(dtypes) == set(HALF)
+        assert op.name == name and (op.caps.masks is Masks.INTERVALS) == intervals and set(dtypes) == set(HALF)
 
 
 @pytest.mark.parametrize("head_dim", [36, 40, 80, 112], ids=lambda d: f"d{d}")

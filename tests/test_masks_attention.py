@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ringlse
+from ringlse.blocks.contract import Masks
 from mask_oracle import oracle
 from ringlse.blocks.sdpa import SDPA_BLOCK_OP
 
@@ -149,7 +150,7 @@ def test_windows_on_a_backend_without_them_name_the_backends_that_take_them():
         ringlse.attention(q, k, v, window_size=(2, 2), backend=SDPA_BLOCK_OP)
     with pytest.raises(ValueError, match=r"sdpa does not take windows or documents here \(backends that do: triton, torch"):
         ringlse.get_block_op("sdpa", "cuda", torch.bfloat16, masked=True)
-    assert ringlse.get_block_op("auto", "cuda", torch.bfloat16, masked=True).takes_intervals
+    assert ringlse.get_block_op("auto", "cuda", torch.bfloat16, masked=True).caps.masks is Masks.INTERVALS
 
 
 def test_the_registry_knows_which_ops_take_intervals():
@@ -160,7 +161,7 @@ def test_the_registry_knows_which_ops_take_intervals():
             op = getattr(importlib.import_module(module), attr)
         except ImportError:  # triton's module needs Triton
             continue
-        assert op.takes_intervals == intervals, name
+        assert (op.caps.masks is Masks.INTERVALS) == intervals, name
 
 
 @pytest.mark.parametrize(

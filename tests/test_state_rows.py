@@ -47,7 +47,7 @@ def test_state_rows_match_the_dense_oracle(plan, backend, dtype):
     if backend == "triton":
         pytest.importorskip("triton")
     op = get_block_op(backend, "cpu", dtype)
-    assert op.writes_fresh == (backend == "triton")
+    assert op.caps.writes_fresh == (backend == "triton")
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(B, S, H, D, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
     scale = D**-0.5

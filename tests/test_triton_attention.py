@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 import ringlse  # noqa: E402
+from ringlse.blocks.contract import Masks  # noqa: E402
 from ringlse import reference_attention, update_out_and_lse  # noqa: E402
 from ringlse.testing import assert_judged, naive_attention  # noqa: E402
 
@@ -131,7 +132,7 @@ def test_float64_raises(device):
 def test_block_op_registered():
     op = ringlse.get_block_op("triton", "cuda" if torch.cuda.is_available() else "cpu")
     assert op.name == "triton"
-    assert op.delta is attention_delta and op.takes_intervals  # forward/backward: the adapter over the kernels
+    assert op.delta is attention_delta and op.caps.masks is Masks.INTERVALS  # forward/backward: the adapter over the kernels
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])

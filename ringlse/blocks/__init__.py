@@ -45,7 +45,7 @@ _BACKENDS: dict[str, tuple[str, str, tuple[torch.dtype, ...], bool]] = {
 # triton ring took 1.03x; `benchmarks/RESULTS.md`)
 _AUTO_MEASURED = {(9, 0): ("fa4", "sdpa", "triton", "torch")}
 _AUTO_CUDA = ("triton", "sdpa", "torch")
-# backends whose ops take windows as a rule (`BlockOp.takes_window`) besides those taking intervals
+# backends whose ops take windows as a rule (`Masks.WINDOW`) besides those taking intervals
 _TAKES_WINDOW = ("fa4",)
 # what `flash` stands for, best first
 _FLASH_ORDER = ("fa4", "fa2")

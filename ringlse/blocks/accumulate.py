@@ -71,7 +71,7 @@ class StateRows:
         """Attend `q` (the rows `[q0, q1)` of the state) to `k`, `v` through `op` (`block`: the
         forward's other keyword arguments), into the state."""
         gaps = self._unwritten(q0, q1)
-        fresh = gaps == [(q0, q1)] and op.writes_fresh
+        fresh = gaps == [(q0, q1)] and op.caps.writes_fresh
         if not fresh:
             for a, b in gaps:
                 self._empty(a, b)

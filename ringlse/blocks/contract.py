@@ -50,7 +50,6 @@ import torch
 from ringlse.blocks.accumulate import IN_PLACE, Accumulation, GradInputs, GradTarget, InPlace, Parts, StateRows
 from ringlse.blocks.calls import BlockArgs, BlockCall, BlockGrads
 from ringlse.checks import lse_dtype
-from ringlse.merge import StatePart
 
 
 def torch_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -107,39 +106,6 @@ class BlockOp:
     # compute it themselves (cuDNN, flash-attn): callers then pass delta=None and skip its four passes
     # over dout and out
     delta: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = torch_delta
-
-    # read-only views of the above under the names callers used before capabilities were grouped
-    @property
-    def takes_intervals(self) -> bool:
-        return self.caps.masks is Masks.INTERVALS
-
-    @property
-    def takes_window(self) -> bool:
-        return self.caps.masks is Masks.WINDOW
-
-    @property
-    def split_backward(self) -> bool:
-        return self.caps.split_backward
-
-    @property
-    def writes_fresh(self) -> bool:
-        return self.caps.writes_fresh
-
-    @property
-    def dq_with_dkdv(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], bool] | None:
-        return self.caps.dq_with_dkdv
-
-    @property
-    def uses_delta(self) -> bool:
-        return self.delta is not None
-
-    @property
-    def forward_parts(self) -> Callable[..., list[StatePart]] | None:
-        return self.accumulation.forward if isinstance(self.accumulation, Parts) else None
-
-    @property
-    def backward_parts(self) -> Callable[..., BlockGrads] | None:
-        return self.accumulation.backward if isinstance(self.accumulation, Parts) else None
 
     def compute_delta(self, dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`rowsum(dout * out)` (the op's kernel where it has one)."""
