@@ -131,7 +131,7 @@ class AttentionSpec:
     def make(cls, what: str, *, causal, softmax_scale, q_start, k_start, window_size, cu_seqlens, backend,
              chunk_size=None, cu_seqlens_q=None, softcap=0.0) -> AttentionSpec:
         """The spec of a call to `what` with these keyword arguments; a malformed one is kept in `error`
-        (raised by the op, `raise_error`).
+        (raised by the op, `raise_error`). Its keywords are the public functions' options, one each.
 
         Its keywords are the public function's options, passed through as they are.
         """
@@ -159,6 +159,7 @@ class AttentionSpec:
     @classmethod
     def from_op_args(cls, cu_seqlens, cu_seqlens_q, causal, softmax_scale, q_start, k_start, window, chunk_size,
                      backend, softcap, what, error) -> AttentionSpec:
+        """The spec back from the op's arguments (`op_args`' order: one parameter per op argument)."""
         return cls(what, causal, softmax_scale, q_start, k_start, tuple(window), cu_seqlens, cu_seqlens_q,
                    chunk_size, backend, softcap, error)
 
@@ -211,7 +212,8 @@ class RingSpec:
     def make(cls, *, causal, softmax_scale, group, layout, return_lse, window_size, cu_seqlens, backend, timeout,
              agree: bool = True, softcap=0.0) -> RingSpec:
         """The spec of a `ring_attention` call with these keyword arguments; a malformed option becomes
-        `error` (every rank must reach the agreement, so nothing option-dependent raises here)."""
+        `error` (every rank must reach the agreement, so nothing option-dependent raises here). Its
+        keywords are `ring_attention`'s options, one each."""
         what, errors = "ring_attention", _Errors()
         take = errors.take
 
@@ -247,5 +249,6 @@ class RingSpec:
     @classmethod
     def from_op_args(cls, cu_seqlens, causal, softmax_scale, group, layout, return_lse, window, backend, timeout,
                      agree, softcap, error) -> RingSpec:
+        """The spec back from the op's arguments (`op_args`' order: one parameter per op argument)."""
         return cls(causal, softmax_scale, group, layout or None, return_lse, tuple(window), cu_seqlens, backend,
                    timeout, agree, softcap, error)

@@ -156,10 +156,7 @@ def fused_block_parts(
     kernels' own output tensors (q's dtype; float32 where GQA groups are summed or for the lse-gradient
     term), never added into anything. `delta` is not read: the kernels compute `rowsum(dout * out)`
     themselves and `lse_grad` adds the rest. Its parameters are the block-op contract's
-    (`ringlse.blocks.contract`), one per operand and mask argument.
-
-    Its parameters are the block-op contract's (`ringlse.blocks.contract`), one per operand and mask argument.
-    """
+    (`ringlse.blocks.contract`), one per operand and mask argument."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     acc = lse_dtype(q.dtype)

@@ -44,6 +44,8 @@ def torch_block_forward(
     intervals: Intervals | None = None,
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block-op forward in float32/float64 torch math (its parameters are the block-op contract's,
+    `ringlse.blocks.contract`, one per operand and mask argument)."""
     b, sq, h, _ = q.shape
     s = _scores(q, k, softmax_scale, causal, q_start, k_start, intervals, softcap)
     p, lse = merge_weights(s, dim=-1)
