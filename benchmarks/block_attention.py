@@ -4,7 +4,7 @@ Usage (on a GPU):
     python benchmarks/block_attention.py [--quick] [--out DIR]      # table + results JSON
     python benchmarks/block_attention.py --sweep                     # time candidate tile configs
     python benchmarks/block_attention.py --precompile N [--sweep]    # compile in N processes first
-    python benchmarks/block_attention.py --coverage-only [--softcap 30]  # softcap on/off, d 192/128 vs FA4
+    python benchmarks/block_attention.py --coverage-only [--softcap 30]  # softcap on/off, sinks on/off, d 192/128 vs FA4
 Without a GPU:
     python benchmarks/block_attention.py --aot [--sweep]   # compile for sm_90 here; ptxas registers/spills
 
@@ -579,6 +579,49 @@ def _coverage_fns(b, h, s, d, dv, causal, softcap):
     return {**fns, "fa4_fwd": fa4_fwd, "fa4_fwd_bwd": fa4_fwd_bwd}
 
 
+def sink_rows() -> list[dict]:
+    """The sinks' speed bar: `ringlse.attention` (backend `triton`, bf16, d 128) with one sink per head over the
+    same call without (bar <= 1.02x, forward and forward + backward incl. the sinks' gradient), the two
+    launched interleaved (`timing.interleaved_ms`)."""
+    import ringlse
+    from timing import interleaved_ms
+
+    rows = []
+    for (b, h, s) in COVERAGE_SHAPES:
+        for causal in (False, True):
+            n = _n_sets(b, h, s, 128, torch.bfloat16)
+            gen = [tuple(torch.randn(b, s, h, 128, dtype=torch.bfloat16, device="cuda", requires_grad=i < 3)
+                         for i in range(4)) for _ in range(n)]
+            sinks = torch.randn(h, device="cuda", requires_grad=True)
+
+            def fns(with_sinks: bool):
+                kw = dict(causal=causal, backend="triton", sinks=sinks if with_sinks else None)
+
+                def fwd(i):
+                    with torch.no_grad():
+                        ringlse.attention(*gen[i % n][:3], **kw)
+
+                def fwd_bwd(i):
+                    q, k, v, do = gen[i % n]
+                    leaves = (q, k, v, sinks) if with_sinks else (q, k, v)
+                    torch.autograd.grad(ringlse.attention(q, k, v, **kw), leaves, do)
+                return {"fwd": fwd, "fwd_bwd": fwd_bwd}
+
+            off, on = fns(False), fns(True)
+            fl_f, fl_b = coverage_flops(b, h, s, 128, 128, causal)
+            row = dict(kind="sinks", batch=b, heads=h, seqlen=s, head_dim=128, d_v=128, causal=causal,
+                       dtype="bfloat16", fwd_flop=fl_f, fwd_bwd_flop=fl_f + fl_b)
+            for part in ("fwd", "fwd_bwd"):
+                ms = interleaved_ms({"off": off[part], "on": on[part]})
+                row[f"ours_{part}_ms_nosinks"], row[f"ours_{part}_ms"] = ms["off"], ms["on"]
+                row[f"ours_{part}_sinks_time_ratio"] = ms["on"] / ms["off"]
+            rows.append(row)
+            print(f"sinks s{s} {'causal' if causal else 'full  '}: time with/without fwd "
+                  f"{row['ours_fwd_sinks_time_ratio']:.3f} fwd+bwd {row['ours_fwd_bwd_sinks_time_ratio']:.3f}", flush=True)
+            del gen, off, on
+    return rows
+
+
 def coverage_rows(softcap: float) -> list[dict]:
     """The model-coverage speed bars: (1) our time with `softcap` over our time without (d 128; bar <= 1.10x, fwd
     and fwd+bwd; the two launched interleaved, `timing.interleaved_ms`, as A/B of one kernel), FA4's
@@ -682,7 +725,7 @@ def run_bench(args) -> None:
         configs={str(d): dict(fwd={str(c): asdict(F.fwd_configs(d, torch.bfloat16, c)[0]) for c in (False, True)},
                               bwd={str(c): asdict(B.bwd_configs(d, torch.bfloat16, c)[0]) for c in (False, True)})
                  for d in sorted({s[3] for s in shapes})},
-        coverage_rows=coverage_rows(args.softcap) if args.coverage or args.coverage_only else [],
+        coverage_rows=coverage_rows(args.softcap) + sink_rows() if args.coverage or args.coverage_only else [],
         hopper_configs={f"d{d} {'causal' if c else 'full'}": asdict(cfg) for (d, c), cfg in _hopper_configs().items()},
         peer_figures_design_s9=PEER_FIGURES_H200,
         rows=rows,
