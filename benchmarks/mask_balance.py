@@ -21,7 +21,7 @@ import torch
 
 from ringlse.masks import Rule
 from ringlse.ring import LAYOUTS
-from ringlse.ring.plan import local_positions
+from ringlse.ring.layout import local_positions
 
 
 def log_uniform_documents(seqlen: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from ringlse.attention import attention
 from ringlse.ring import ring_attention, shard
-from ringlse.ring.plan import default_layout
+from ringlse.ring.layout import default_layout
 from ringlse.specs import group_name
 
 NAME = "ringlse"

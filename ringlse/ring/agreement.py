@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ringlse.checks import SUPPORTED_DTYPES
 from ringlse.masks import Rule
-from ringlse.ring.plan import LAYOUTS
+from ringlse.ring.layout import LAYOUTS
 
 # Rows start with a marker, so that the rows that arrived can be told from those that did not.
 _ARRIVED = 1

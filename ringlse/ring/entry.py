@@ -37,7 +37,8 @@ from ringlse.ring.backward import ring_backward
 from ringlse.ring.call import RingCall, Transport
 from ringlse.ring.comm import RingComm
 from ringlse.ring.forward import ring_forward
-from ringlse.ring.plan import LAYOUTS, check_layout, default_layout, kv_route, step_plans
+from ringlse.ring.layout import LAYOUTS, check_layout, default_layout
+from ringlse.ring.plan import kv_route, step_plans
 from ringlse.ring.pull import use_copy_engines
 
 
