@@ -33,7 +33,8 @@ import ringlse
 from ringlse.masks import Rule, Span, block_intervals
 
 # benchmarks/ is sys.path[0] when a script of it runs
-from mask_balance import log_uniform_documents, visible_per_position  # noqa: E402
+from mask_balance import log_uniform_documents  # noqa: E402
+from ringlse.masks import visible_per_position  # noqa: E402
 from timing import abba_ms  # noqa: E402
 
 

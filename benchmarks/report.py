@@ -96,6 +96,36 @@ def ring(d: dict) -> list[str]:
     return lines
 
 
+def mask_balance(d: dict) -> list[str]:
+    """benchmarks/mask_balance.py: each layout's work imbalance (CPU, no timing)."""
+    lines = [f"**Work balance of the layouts** (torch {d['torch']}; `{d['command']}`): {d['definition']}:", "",
+             "| W | input | S | contiguous | zigzag | stripe | balanced | balanced: runs per rank |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in d["rows"]:
+        lines.append(f"| {r['world']} | {r['input']} | {r['seqlen']} | {r['contiguous']:.3f} | {r['zigzag']:.3f} | "
+                     f"{r['stripe']:.3f} | {_fmt(r.get('balanced'), '.3f')} | {r.get('balanced_runs', '–')} |")
+    return lines
+
+
+def ring_documents(d: dict) -> list[str]:
+    """benchmarks/ring.py --documents: the ring over packed documents in every layout."""
+    env, sh = d["environment"], d["shape"]
+    lines = [f"**Ring attention over packed documents** ({env['gpus']}× {env['gpu']}, torch {env['torch']}, triton "
+             f"{env['triton']}; `{env['command']}`), {_k(sh['tokens_per_gpu'])} tokens per GPU, {sh['heads']}/"
+             f"{sh['kv_heads']} heads × d {sh['head_dim']}, bf16, causal; TFLOP/s per GPU over visible pairs (bwd: "
+             "fwd+bwd minus fwd, 2.5× the forward's FLOPs); one GPU: the same backend on the whole packed sequence; "
+             "imbalance: max/mean over ranks of visible pairs:", "",
+             "| backend | documents | layout | imbalance | runs per rank | fwd | bwd | one GPU fwd | one GPU bwd |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in d["rows"]:
+        ring = (f"{_fmt(r['fwd_tflops_per_gpu'], '.0f')} | {_fmt(r['bwd_tflops_per_gpu'], '.0f')}" if not r.get("error")
+                else f"refused: {r['error'][:60]} | –")
+        lines.append(f"| {r['backend']} | {r['docs']} ({r['documents']}) | {r['layout']} | {r['imbalance']:.3f} | "
+                     f"{r['max_runs']} | {ring} | {_fmt(r['single_fwd_tflops'], '.0f')} | "
+                     f"{_fmt(r['single_bwd_tflops'], '.0f')} |")
+    return lines
+
+
 def merge(d: dict) -> list[str]:
     lines = [f"**Fused merge** ({d['gpu']}, torch {d['torch']}, triton {d['triton']}); device copy "
              f"{d['copy']['gbs']:.0f} GB/s measured in the same run:", "",
@@ -484,10 +514,10 @@ def before_after(files: list[tuple[Path, dict]]) -> list[str]:
 # ----------------------------------------------------------------------------------------------------
 
 SECTIONS = (("block_attention", "Block attention", block_attention), ("error_growth", "Error growth with the world size", error_growth),
-            ("lse_toolkit", "LSE toolkit", lse_toolkit),
+            ("lse_toolkit", "LSE toolkit", lse_toolkit), ("mask_balance", "Work balance of the layouts", mask_balance),
             ("masked_attention", "Masked block attention (windows, packed documents)", masked_attention),
             ("merge_engines", "Merging in the engines' conventions", merge_engines), ("merge", "Fused merge", merge),
-            ("ring", "Ring attention", ring))
+            ("ring_documents", "Ring attention over packed documents", ring_documents), ("ring", "Ring attention", ring))
 
 
 def load(results: Path) -> list[tuple[Path, dict]]:

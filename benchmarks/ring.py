@@ -1,6 +1,7 @@
 """Ring attention speed on one node, next to PyTorch context parallel (CONVENTIONS.md §8), under torchrun:
 
     torchrun --nproc_per_node=4 benchmarks/ring.py [--seqlens 32768 131072] [--backends triton sdpa] [--quick]
+    torchrun --nproc_per_node=4 benchmarks/ring.py --documents    # packed documents, every layout
 
 For every shape (batch 1 x 32 heads x head dim 128, bf16; total S; causal or not; forward or
 forward+backward; MHA and GQA 32/8) it times, on all ranks at once (median of CUDA-event timings, max over
@@ -10,6 +11,7 @@ ranks):
     methods, the better reported) and SDPA on the full sequence on one GPU.
 Efficiency = T(full sequence, one GPU, same block op) / (W * T(ring)). Rank 0 shows progress, writes
 `benchmarks/results/ring-<W>x<gpu>.json` and a PNG of efficiency and TFLOP/s per GPU versus S.
+`--documents` runs `ring_documents.py` instead (its own shape and file, `ring_documents-<W>x<gpu>.json`).
 """
 
 from __future__ import annotations
@@ -49,9 +51,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--masks", action="store_true", help="also windows of 4K and packed documents (log-uniform "
                    "256-32K) at the largest S, causal fwd+bwd, MHA (no peer: context parallel takes neither)")
     p.add_argument("--only-masks", action="store_true", help="the --masks rows alone")
+    p.add_argument("--documents", action="store_true", help="packed documents in every layout, 8K tokens per GPU, "
+                   "GQA 64/8 (benchmarks/ring_documents.py; its own result file)")
     p.add_argument("--budget-s", type=float, default=1.5, help="target seconds of timed runs per measurement")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     return p.parse_args()
+
+
+def gpu_name_tag(gpu: str) -> str:
+    """The GPU as result file names carry it: `NVIDIA H100 80GB HBM3` -> `H100-80GB-HBM3`."""
+    return gpu.replace("NVIDIA ", "").replace(" ", "-")
 
 
 def attention_flops(b: int, h: int, s: int, d: int, causal: bool, mode: str) -> float:
@@ -155,9 +164,10 @@ def mask_inputs(s: int, world: int) -> dict[str, dict]:
     seed 0) in the `zigzag` and `stripe` layouts (zigzag's work imbalance is 1.2-1.7 at W = 4 there,
     stripe's 1.00: mask_balance.json) over S: the ring's keyword arguments, the visible pairs and the
     causal work imbalance (max/mean over ranks) of the layout."""
-    from mask_balance import imbalance, log_uniform_documents, visible_per_position
+    from mask_balance import log_uniform_documents
 
-    from ringlse.masks import Rule
+    from ringlse.masks import Rule, visible_per_position
+    from ringlse.ring.layout import imbalance
 
     docs = log_uniform_documents(s, 256, 32768, 0)
     doc_rule = Rule(True, docs=docs)
@@ -209,6 +219,15 @@ def main() -> int:
                             pg_options=ringlse.nccl_options(datetime.timedelta(minutes=10)))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank)
+    if args.documents:
+        from ring_documents import run
+
+        path = run(args, environment(world) if rank == 0 else {}, rank, world, device)
+        if rank == 0:
+            print(f"wrote {path}")
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
     backends = args.backends or [b for b in ("triton", "sdpa", "flash") if b in ringlse.available_backends(device)]
     b, h, d = 1, args.heads, args.head_dim
     shapes = []
@@ -250,7 +269,7 @@ def main() -> int:
             p = peer.get((r["seqlen"], r["kv_heads"], r["causal"], r["mode"]))
             if r["impl"].startswith("ringlse") and "mask" not in r and p and p.get("ms") and r.get("ms"):
                 r["time_ratio_to_torch_cp"] = r["ms"] / p["ms"]
-        gpu_tag = env["gpu"].replace("NVIDIA ", "").replace(" ", "-")
+        gpu_tag = gpu_name_tag(env["gpu"])
         out_dir.mkdir(parents=True, exist_ok=True)
         result = {
             "benchmark": "ring attention vs PyTorch context parallel",
@@ -321,7 +340,7 @@ def main() -> int:
     if rank == 0:
         path = save()
         try:
-            gpu_tag = env["gpu"].replace("NVIDIA ", "").replace(" ", "-")
+            gpu_tag = gpu_name_tag(env["gpu"])
             plot(records, out_dir / f"ring-{world}x{gpu_tag}.png", world, env["gpu"])
         except Exception as e:
             print(f"plot failed: {e}")

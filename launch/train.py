@@ -45,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seqlen", type=int, default=None,
-                   help="tokens per step (default: 96 per rank on CPU, 4096 per rank on GPU, divisible by 2W)")
+                   help="tokens per step (default: 96 per rank on CPU, 128 with --layout balanced, 4096 per rank on "
+                        "GPU; divisible by 2W, by 64W for balanced)")
     p.add_argument("--min-doc", type=int, default=8, help="shortest document (log-uniform lengths)")
     p.add_argument("--max-doc", type=int, default=96, help="longest document")
     p.add_argument("--vocab", type=int, default=128)
@@ -55,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--layout", choices=("zigzag", "contiguous", "stripe"), default="zigzag")
+    p.add_argument("--layout", choices=("zigzag", "contiguous", "stripe", "balanced"), default="zigzag")
     p.add_argument("--backend", default="auto", help="ringlse block op (auto, torch, triton, sdpa, fa4, ...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=None,
@@ -108,7 +109,8 @@ def train(args, rank: int, world: int, device: torch.device) -> dict:
     from tqdm import tqdm
 
     rt.register()
-    seqlen = args.seqlen or 2 * world * (2048 if device.type == "cuda" else 48)
+    cpu_per_rank = 128 if args.layout == "balanced" else 96  # balanced: a multiple of 64 per rank
+    seqlen = args.seqlen or world * (4096 if device.type == "cuda" else cpu_per_rank)
     model = make_model(args, device, "ringlse")
     reference = None
     if rank == 0 and not args.no_reference:

@@ -97,7 +97,7 @@ def settle_seqlen(args: argparse.Namespace, world: int, gpu: bool) -> str | None
         return None
     for _, layout in layouts_of(args):
         try:
-            ringlse.ring.plan.check_layout(layout, args.seqlen, world)
+            ringlse.ring.layout.check_layout(layout, args.seqlen, world)
         except ValueError as e:
             return f"--seqlen: {e}"
     return None
@@ -105,7 +105,7 @@ def settle_seqlen(args: argparse.Namespace, world: int, gpu: bool) -> str | None
 
 def _fits(layout: str, seqlen: int, world: int) -> bool:
     try:
-        ringlse.ring.plan.check_layout(layout, seqlen, world)
+        ringlse.ring.layout.check_layout(layout, seqlen, world)
     except ValueError:
         return False
     return True

@@ -198,6 +198,13 @@ class Rule:
         return lo, hi
 
 
+def visible_per_position(rule: Rule, seqlen: int) -> torch.Tensor:
+    """The number of keys of `[0, seqlen)` each query position of `[0, seqlen)` sees under `rule`
+    (int64 `[seqlen]`): the work measure of layouts (`ringlse.ring.layout.rank_work`)."""
+    lo, hi = rule.key_bounds(torch.arange(seqlen))
+    return (hi.clamp(max=seqlen) - lo.clamp(min=0)).clamp(min=0)
+
+
 class Span(NamedTuple):
     """Positions `start, start + stride, ...` (`length` of them) of a block's rows."""
 
@@ -211,6 +218,39 @@ class Span(NamedTuple):
     def local(self, bound: torch.Tensor) -> torch.Tensor:
         """Global bounds -> local row indices (the first row at or after `bound`), clamped to the span."""
         return (-((self.start - bound) // self.stride)).clamp(0, self.length)
+
+    def cut(self, a: int, b: int) -> Span:
+        """Its rows `[a, b)`."""
+        return Span(self.start + a * self.stride, b - a, self.stride)
+
+
+class Runs(NamedTuple):
+    """Rows whose positions are several `Span`s one after another, increasing throughout (a rank of
+    the `balanced` layout): one block over all of them, whose per-row intervals stay exact because
+    the keys a query sees are one range of positions, hence one range of rows."""
+
+    spans: tuple[Span, ...]
+
+    @property
+    def length(self) -> int:
+        return sum(s.length for s in self.spans)
+
+    def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
+        return torch.cat([s.positions(device) for s in self.spans])
+
+    def local(self, bound: torch.Tensor) -> torch.Tensor:
+        """Global bounds -> local row indices (the first row at or after `bound`), as `Span.local`."""
+        return torch.searchsorted(self.positions(bound.device), bound)
+
+    def cut(self, a: int, b: int) -> Runs:
+        """Its rows `[a, b)`, the spans cut to them (empty ones left out)."""
+        spans, first = [], 0
+        for s in self.spans:
+            lo, hi = max(a - first, 0), min(b - first, s.length)
+            if lo < hi:
+                spans.append(s.cut(lo, hi))
+            first += s.length
+        return Runs(tuple(spans))
 
 
 class Intervals(NamedTuple):
@@ -247,7 +287,8 @@ class Intervals(NamedTuple):
         return (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
 
 
-def block_intervals(rule: Rule, q: Span, k: Span, device: torch.device | str | None = None) -> Intervals:
+def block_intervals(rule: Rule, q: Span | Runs, k: Span | Runs, device: torch.device | str | None = None
+                    ) -> Intervals:
     """The visible pairs of the block `q` x `k` under `rule`, as per-row intervals."""
     key_lo, key_hi = (k.local(b) for b in rule.key_bounds(q.positions(device)))
     query_lo, query_hi = (q.local(b) for b in rule.query_bounds(k.positions(device)))
@@ -255,7 +296,7 @@ def block_intervals(rule: Rule, q: Span, k: Span, device: torch.device | str | N
     return Intervals(*(x.to(torch.int32) for x in (key_lo, key_hi, query_lo, query_hi)))
 
 
-def planned_intervals(rule: Rule, q: Span, k: Span) -> Intervals:
+def planned_intervals(rule: Rule, q: Span | Runs, k: Span | Runs) -> Intervals:
     """`block_intervals` on the CPU for the plans, cached for blocks of up to `CACHED_ROWS` rows: every
     layer of a model, and each of its calls, plans the same blocks under the same rule (32K tokens in 8
     documents: 2 ms per block on a CPU core, every call, before the cache). Larger blocks are computed
@@ -273,7 +314,7 @@ CACHED_ROWS = 1 << 17
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_intervals(rule: Rule, q: Span, k: Span) -> Intervals:
+def _cached_intervals(rule: Rule, q: Span | Runs, k: Span | Runs) -> Intervals:
     return _pinned(block_intervals(rule, q, k, device="cpu"))
 
 

@@ -157,7 +157,7 @@ def ring_with_grads(q, k, v, dout, dlse=None, *, causal: bool, layout: str, back
     """
     from ringlse.ring import ring_attention, shard, unshard
 
-    local = [shard(t, layout, group=group) for t in (q, k, v, dout)]
+    local = [shard(t, layout, group=group, cu_seqlens=cu_seqlens) for t in (q, k, v, dout)]
     if non_contiguous:  # a [b, h, n, d] storage seen as [b, n, h, d]: strided inputs must work
         local[:3] = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in local[:3]]
     ql, kl, vl = (t.detach().requires_grad_() for t in local[:3])
@@ -173,11 +173,11 @@ def ring_with_grads(q, k, v, dout, dlse=None, *, causal: bool, layout: str, back
             _, lse = ring_attention(ql, kl, vl, return_lse=True, **kw)
     loss = (out.double() * local[3].double()).sum()
     if dlse is not None:
-        loss = loss + (lse.double() * shard(dlse, layout, dim=2, group=group).double()).sum()
+        loss = loss + (lse.double() * shard(dlse, layout, dim=2, group=group, cu_seqlens=cu_seqlens).double()).sum()
     loss.backward()
 
     def gather(t, dim=1):
-        return unshard(t.detach(), layout, dim=dim, group=group)
+        return unshard(t.detach(), layout, dim=dim, group=group, cu_seqlens=cu_seqlens)
 
     return gather(out), gather(lse, 2), gather(ql.grad), gather(kl.grad), gather(vl.grad)
 

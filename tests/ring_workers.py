@@ -192,14 +192,15 @@ def masked_rings(rank, world, cases: list[dict]) -> list[str]:
         q, k, v, dout, dlse = random_inputs(1, s, 4, 2, c.get("d", 8), torch.float64, seed=c["seed"])
         low = [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
         kw = dict(causal=c["causal"], window_size=c["window"], cu_seqlens=c["docs"])
-        local = [ringlse.shard(t, c["layout"]) for t in low]
+        local = [ringlse.shard(t, c["layout"], cu_seqlens=c["docs"]) for t in low]
         ql, kl, vl = (t.detach().requires_grad_() for t in local[:3])
         out, lse = ringlse.ring_attention(ql, kl, vl, layout=c["layout"], return_lse=True,
                                           backend=c.get("backend", "torch"), **kw)
         loss = (out.double() * local[3].double()).sum() + (
-            lse.double().nan_to_num(neginf=0.0) * ringlse.shard(dlse.to(device), c["layout"], dim=2)).sum()
+            lse.double().nan_to_num(neginf=0.0) * ringlse.shard(dlse.to(device), c["layout"], dim=2,
+                                                                cu_seqlens=c["docs"])).sum()
         loss.backward()
-        ours = [ringlse.unshard(t.detach(), c["layout"], dim=d).cpu()
+        ours = [ringlse.unshard(t.detach(), c["layout"], dim=d, cu_seqlens=c["docs"]).cpu()
                 for t, d in ((out, 1), (lse, 2), (ql.grad, 1), (kl.grad, 1), (vl.grad, 1))]
         low = [t.cpu() for t in low]
         leaves = [t.double().requires_grad_() for t in low[:3]]

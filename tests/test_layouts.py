@@ -9,7 +9,8 @@ import itertools
 import pytest
 import torch
 
-from ringlse.ring.plan import LAYOUTS, local_positions, plan_step
+from ringlse.ring.layout import LAYOUTS, local_positions
+from ringlse.ring.plan import plan_step
 from ringlse.masks import BlockKind, block_kind, visibility_mask
 from ringlse.ring.plan import key_pieces, key_span, piece_size, split_keys
 

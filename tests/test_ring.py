@@ -97,9 +97,9 @@ def test_ring_single_process_without_distributed():
 
 def test_layout_errors_name_length_world_and_layout():
     with pytest.raises(ValueError, match=r"sequence length 7 .*W=2.*'zigzag'"):
-        ringlse.ring.plan.check_layout("zigzag", 7, 2)
+        ringlse.ring.layout.check_layout("zigzag", 7, 2)
     with pytest.raises(ValueError, match="unknown layout"):
-        ringlse.ring.plan.check_layout("spiral", 8, 2)
+        ringlse.ring.layout.check_layout("spiral", 8, 2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; the GPU suite covers compiled kernels")

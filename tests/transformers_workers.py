@@ -95,7 +95,7 @@ def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] 
         frames = counter.frame_count
     for g in grads:
         dist.all_reduce(g)
-    full = ringlse.unshard(logits.detach(), layout)
+    full = ringlse.unshard(logits.detach(), layout, cu_seqlens=batch.cu_seqlens)
     return {
         "logits": (full - ref_logits).abs().max().item(),
         "logits_vs_eager": (full - eager_logits).abs().max().item(),

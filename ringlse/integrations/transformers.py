@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from ringlse.attention import attention
 from ringlse.ring import ring_attention, shard
-from ringlse.ring.plan import default_layout
+from ringlse.ring.layout import BALANCED, default_layout
 from ringlse.specs import group_name
 
 NAME = "ringlse"
@@ -76,7 +76,8 @@ def ring(group: dist.ProcessGroup | None = None, layout: str | None = None,
     Args:
         group: process group (default: the world; without torch.distributed, one rank).
         layout: how the sequence was sharded (`prepare_batch`'s): default `zigzag` for causal models.
-        cu_seqlens: document boundaries over the global sequence (`RingBatch.cu_seqlens`), or None.
+        cu_seqlens: document boundaries over the global sequence (`RingBatch.cu_seqlens`), or None
+            (one document; `balanced` needs them).
         backend: the block op, as in `ring_attention`.
     """
     bounds = None if cu_seqlens is None else torch.as_tensor(cu_seqlens, dtype=torch.int64, device="cpu")
@@ -355,16 +356,21 @@ def prepare_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None,
     Args:
         input_ids, labels, position_ids, ignore_index: as in `whole_batch` (`[b, S]`, S divisible as
             `layout` needs over the group's W ranks).
-        group, layout: the ring's (default layout: zigzag).
+        group, layout: the ring's (default layout: zigzag; `balanced` places tokens by the documents
+            of `position_ids`, CONVENTIONS.md §5).
 
     Returns:
         A `RingBatch` with this rank's `input_ids`, `labels`, `position_ids` (`[b, S / W]`), the global
-        `cu_seqlens` and the global token count.
+        `cu_seqlens` (with `balanced`, `(0, S)` for a batch of one document: the layout needs them)
+        and the global token count.
     """
     whole = whole_batch(input_ids, labels, position_ids, ignore_index=ignore_index)
     layout = layout or default_layout(True)
-    part = lambda t: shard(t, layout, dim=1, group=group)
-    return RingBatch(part(whole.input_ids), part(whole.labels), part(whole.position_ids), whole.cu_seqlens,
+    docs = whole.cu_seqlens
+    if layout == BALANCED and docs is None:
+        docs = (0, input_ids.shape[1])
+    part = lambda t: shard(t, layout, dim=1, group=group, cu_seqlens=docs)
+    return RingBatch(part(whole.input_ids), part(whole.labels), part(whole.position_ids), docs,
                      whole.num_tokens, ignore_index)
 
 

@@ -12,12 +12,13 @@
 | `dkv_pull`     | copy-engine pulls of the backward's float32 dk/dv pieces                   |
 | `comm`         | point-to-point plumbing, fault reporting, NCCL settings                    |
 | `agreement`    | the ranks' agreement on inputs before any K/V moves (`AgreementRow`)       |
-| `plan`         | layouts, `shard`/`unshard`, per-step block plans and routes                |
+| `layout`       | sequence layouts, `shard`/`unshard`                                        |
+| `plan`         | per-step block plans and routes                                            |
 | `call`         | `RingCall`: one call's op, plans, route, transport and limits              |
 """
 
 from ringlse.ring.comm import nccl_options, tune_nccl_env
 from ringlse.ring.api import ring_attention
-from ringlse.ring.plan import LAYOUTS, default_layout, shard, unshard
+from ringlse.ring.layout import LAYOUTS, default_layout, shard, unshard
 
 __all__ = ["LAYOUTS", "default_layout", "nccl_options", "ring_attention", "shard", "tune_nccl_env", "unshard"]

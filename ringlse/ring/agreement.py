@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ringlse.checks import SUPPORTED_DTYPES
 from ringlse.masks import Rule
-from ringlse.ring.plan import LAYOUTS
+from ringlse.ring.layout import LAYOUT_NAMES
 
 # Rows start with a marker, so that the rows that arrived can be told from those that did not.
 _ARRIVED = 1
@@ -47,7 +47,7 @@ class AgreementRow:
     kv_shape: tuple[int, ...]
     dtype: int  # index into `SUPPORTED_DTYPES`
     causal: bool
-    layout: int  # index into `LAYOUTS`
+    layout: int  # index into `LAYOUT_NAMES`
     scale: int  # softmax_scale * 2**30, rounded: ranks compare integers, never floats
     return_lse: bool
     copy_engines: bool  # the K/V transport (`ringlse.ring.kv_transport.Transport`)
@@ -66,7 +66,7 @@ class AgreementRow:
         docs = rule.docs or ()
         digest = hashlib.blake2b(repr(docs).encode(), digest_size=7).digest()
         return cls(tuple(q.shape), tuple(k.shape), SUPPORTED_DTYPES.index(q.dtype), causal is True,
-                   LAYOUTS.index(layout), round(scale * 2**30), return_lse is True, copy_engines, tuple(rule.window),
+                   LAYOUT_NAMES.index(layout), round(scale * 2**30), return_lse is True, copy_engines, tuple(rule.window),
                    len(docs), int.from_bytes(digest, "little"), round(softcap * 2**30))
 
     @classmethod
@@ -90,7 +90,7 @@ class AgreementRow:
         if self.q_shape[0] < 0:
             return {name: "(invalid)" for name in self.NAMES}
         dtype = SUPPORTED_DTYPES[self.dtype] if 0 <= self.dtype < len(SUPPORTED_DTYPES) else self.dtype
-        layout = LAYOUTS[self.layout] if 0 <= self.layout < len(LAYOUTS) else self.layout
+        layout = LAYOUT_NAMES[self.layout] if 0 <= self.layout < len(LAYOUT_NAMES) else self.layout
         docs = "none" if self.doc_count == 0 else f"{self.doc_count} boundaries (digest {self.doc_digest:014x})"
         values = (self.q_shape, self.kv_shape, dtype, self.causal, layout, f"{self.scale / 2**30:.6g}",
                   self.return_lse, "copy engines" if self.copy_engines else "point-to-point", self.window, docs,

@@ -41,8 +41,9 @@ def ring_attention(
         causal: causal mask over global positions.
         softmax_scale: defaults to `headdim ** -0.5`.
         group: process group (default: the world; without torch.distributed, a single rank).
-        layout: `zigzag` (default when causal), `contiguous` (default otherwise) or `stripe`; use
-            `ringlse.shard` to split a full sequence the same way.
+        layout: `zigzag` (default when causal), `contiguous` (default otherwise), `stripe`, or
+            `balanced` (packed documents: needs `cu_seqlens`; CONVENTIONS.md §5); use `ringlse.shard`
+            (with the same `cu_seqlens` for `balanced`) to split a full sequence the same way.
         return_lse: also return lse `[batch, nheads, n]` (float32; float64 for float64 inputs).
         window_size: `(left, right)` at global positions, -1 unbounded (CONVENTIONS.md §10).
         cu_seqlens: document boundaries over the *global* sequence `[0, ..., S]`, the same on every

@@ -37,7 +37,8 @@ from ringlse.ring.backward import ring_backward
 from ringlse.ring.call import RingCall, Transport
 from ringlse.ring.comm import RingComm
 from ringlse.ring.forward import ring_forward
-from ringlse.ring.plan import LAYOUTS, check_layout, default_layout, kv_route, step_plans
+from ringlse.ring.layout import LAYOUT_NAMES, Layout, check_layout, default_layout, layout_of
+from ringlse.ring.plan import kv_route, step_plans
 from ringlse.ring.pull import use_copy_engines
 
 
@@ -62,10 +63,10 @@ class RingPlan:
 
 
 def _local_rule(q, k, v, layout: str, causal, window_size, cu_seqlens, return_lse, comm: RingComm
-                ) -> tuple[Rule | None, str | None]:
-    """Everything a rank can check alone, and the visibility rule, with any error as a message
-    instead of an exception, so that every rank still reaches the agreement collective and raises
-    together."""
+                ) -> tuple[Rule | None, Layout | None, str | None]:
+    """Everything a rank can check alone, the visibility rule and the layout with what it needs to
+    place tokens (`layout_of`), with any error as a message instead of an exception, so that every
+    rank still reaches the agreement collective and raises together."""
     try:
         check_qkv(q, k, v, "ring_attention")
         check_flag(causal, "causal", "ring_attention")
@@ -75,14 +76,15 @@ def _local_rule(q, k, v, layout: str, causal, window_size, cu_seqlens, return_ls
         if q.shape[1] != k.shape[1]:
             raise ValueError(f"ring_attention: local q and k/v lengths differ ({q.shape[1]} vs {k.shape[1]}); "
                              "each rank must hold the same positions of q, k and v")
-        check_layout(layout, q.shape[1] * comm.world, comm.world)
+        placed = layout_of(layout, docs, q.shape[1] * comm.world, "ring_attention")
+        check_layout(placed, q.shape[1] * comm.world, comm.world)
         if comm.backend == "nccl" and q.device.type != "cuda":
             raise ValueError(f"ring_attention: the NCCL group needs CUDA tensors, got {q.device}")
         if comm.backend == "gloo" and q.device.type != "cpu":
             raise ValueError(f"ring_attention: the gloo group needs CPU tensors, got {q.device}")
     except (ValueError, TypeError) as e:
-        return None, str(e)
-    return Rule(causal, window, docs), None
+        return None, None, str(e)
+    return Rule(causal, window, docs), placed, None
 
 
 def _check_timeout(timeout) -> datetime.timedelta | None:
@@ -117,8 +119,8 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
     comm = RingComm.for_group(group)
     comm.check_usable()
     layout = default_layout(causal is True) if layout is None else layout
-    rule, error = _local_rule(q, k, v, layout, causal, window_size, cu_seqlens, return_lse, comm) \
-        if layout in LAYOUTS else (None, f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    rule, placed, error = _local_rule(q, k, v, layout, causal, window_size, cu_seqlens, return_lse, comm) \
+        if layout in LAYOUT_NAMES else (None, None, f"unknown layout {layout!r}; choose one of {LAYOUT_NAMES}")
     if local_error:
         error = local_error
     try:  # every rank of an NCCL group, whatever its inputs: the first call per group is collective
@@ -154,8 +156,8 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
         if error is not None:
             raise ValueError(error)
         check = Agreement(lambda: True, lambda: None)
-    plans, peer_plans = step_plans(layout, comm.rank, comm.world, q.shape[1], rule)
-    route = kv_route(layout, comm.world, q.shape[1], rule)
+    plans, peer_plans = step_plans(placed, comm.rank, comm.world, q.shape[1], rule)
+    route = kv_route(placed, comm.world, q.shape[1], rule)
     call = RingCall(op, scale, comm, plans, peer_plans, route, transport, return_lse, comm.transfer_limit(limit),
                     softcap)
     return RingPlan(call, check)

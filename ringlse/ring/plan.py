@@ -1,8 +1,7 @@
-"""Sequence layouts across W ranks (CONVENTIONS.md §5), `shard`/`unshard`, and the per-step block plan.
+"""The ring's per-step block plans and K/V routes over the ranks' position runs (`ringlse.ring.layout`).
 
-A layout says which global positions each rank holds. Every layout keeps a rank's positions
-increasing in local index, as one or two runs of a fixed stride; the ring only needs those runs
-(`segments`) to turn the causal rule into block calls with local offsets (`plan_step`).
+The ring only needs a layout's runs (`segments`) to turn the mask rule into block calls with local
+offsets (`plan_step`, `plan_step_masked`), and the key rows each step reads (`kv_route`).
 """
 
 from __future__ import annotations
@@ -11,101 +10,70 @@ import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import torch
-import torch.distributed as dist
-
 from ringlse.blocks.calls import BlockCall
-from ringlse.masks import BlockKind, Intervals, Rule, Span, block_kind, planned_intervals
-
-LAYOUTS = ("contiguous", "zigzag", "stripe")
-
-
-def default_layout(causal: bool) -> str:
-    """zigzag balances causal work; contiguous is simplest otherwise."""
-    return "zigzag" if causal else "contiguous"
-
-
-def check_layout(layout: str, seqlen: int, world: int) -> None:
-    """Raise ValueError unless a sequence of `seqlen` tokens splits over `world` ranks in `layout`."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
-    parts = 2 * world if layout == "zigzag" else world
-    if seqlen % parts:
-        raise ValueError(
-            f"sequence length {seqlen} does not divide over W={world} ranks in the {layout!r} layout "
-            f"(needs a multiple of {parts}{' = 2W' if layout == 'zigzag' else ' = W'})"
-        )
-
-
-class Segment(NamedTuple):
-    """Local rows `[local_start, local_start + length)` hold global positions
-    `global_start, global_start + stride, ...`."""
-
-    local_start: int
-    length: int
-    global_start: int
-    stride: int
-
-
-def segments(layout: str, rank: int, world: int, n_local: int) -> list[Segment]:
-    if layout == "contiguous":
-        return [Segment(0, n_local, rank * n_local, 1)]
-    if layout == "zigzag":
-        c = n_local // 2
-        return [Segment(0, c, rank * c, 1), Segment(c, c, (2 * world - 1 - rank) * c, 1)]
-    if layout == "stripe":
-        return [Segment(0, n_local, rank, world)]
-    raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
-
-
-def local_positions(layout: str, rank: int, world: int, n_local: int) -> torch.Tensor:
-    """Global positions held by `rank`, in local order: `[n_local]` int64."""
-    return torch.cat([
-        s.global_start + s.stride * torch.arange(s.length) for s in segments(layout, rank, world, n_local)
-    ])
+from ringlse.masks import BlockKind, Intervals, Rule, Runs, Span, block_kind, planned_intervals
+from ringlse.ring.layout import Balanced, Layout, Segment, segments
 
 
 def _span(seg: Segment) -> Span:
     return Span(seg.global_start, seg.length, seg.stride)
 
 
-def _cut(seg: Segment, a: int, b: int) -> Segment:
-    """Rows `[a, b)` of a run (local to it)."""
-    return Segment(seg.local_start + a, b - a, seg.global_start + a * seg.stride, seg.stride)
+class Rows(NamedTuple):
+    """Local rows `[local_start, local_start + span.length)` at the positions of `span`: one side of a
+    masked block call."""
+
+    local_start: int
+    span: Span | Runs
+
+    def cut(self, a: int, b: int) -> Rows:
+        """Its rows `[a, b)` (local to it)."""
+        return Rows(self.local_start + a, self.span.cut(a, b))
 
 
-def _visible_parts(layout: str, rank: int, src: int, world: int, n_local: int, rule: Rule
-                   ) -> list[tuple[Segment, Segment]]:
-    """For each pair of position runs (query run of `rank` x key run of `src`) that shows any pair:
-    the query rows that see any of its keys and the key rows they see, first to last, as the two
-    runs cut to them. From the keys each query sees alone (the cheaper half of `block_intervals`)."""
+def _rows(layout: Layout, rank: int, world: int, n_local: int) -> list[Rows]:
+    """`rank`'s rows as the units a masked step calls at once: each run of a fixed-stride layout apart
+    (one or two), a balanced rank's runs all together, so that its step is one call however many runs
+    it holds (the per-row intervals stay exact: its positions increase throughout)."""
+    segs = segments(layout, rank, world, n_local)
+    if isinstance(layout, Balanced):
+        return [Rows(0, Runs(tuple(_span(s) for s in segs)))]
+    return [Rows(s.local_start, _span(s)) for s in segs]
+
+
+def _visible_parts(layout: Layout, rank: int, src: int, world: int, n_local: int, rule: Rule
+                   ) -> list[tuple[Rows, Rows]]:
+    """For each pair of row units (`_rows`: query rows of `rank` x key rows of `src`) that shows any
+    pair: the query rows that see any of its keys and the key rows they see, first to last, as the
+    two units cut to them. From the keys each query sees alone (the cheaper half of `block_intervals`)."""
     parts = []
-    for qs in segments(layout, rank, world, n_local):
-        for ks in segments(layout, src, world, n_local):
-            key_lo, key_hi = (_span(ks).local(x) for x in rule.key_bounds(_span(qs).positions()))
+    for qs in _rows(layout, rank, world, n_local):
+        for ks in _rows(layout, src, world, n_local):
+            key_lo, key_hi = (ks.span.local(x) for x in rule.key_bounds(qs.span.positions()))
             live = key_hi > key_lo
             rows = live.nonzero()
             if rows.numel():
-                parts.append((_cut(qs, int(rows[0]), int(rows[-1]) + 1),
-                              _cut(ks, int(key_lo[live].min()), int(key_hi[live].max()))))
+                parts.append((qs.cut(int(rows[0]), int(rows[-1]) + 1),
+                              ks.cut(int(key_lo[live].min()), int(key_hi[live].max()))))
     return parts
 
 
-def _call(qs: Segment, ks: Segment, intervals: Intervals | None = None) -> BlockCall:
-    return BlockCall(qs.local_start, qs.local_start + qs.length, ks.local_start, ks.local_start + ks.length,
-                     False, 0, 0, intervals)
+def _call(qs: Rows, ks: Rows, intervals: Intervals | None = None) -> BlockCall:
+    return BlockCall(qs.local_start, qs.local_start + qs.span.length, ks.local_start,
+                     ks.local_start + ks.span.length, False, 0, 0, intervals)
 
 
-def plan_step_masked(layout: str, rank: int, src: int, world: int, n_local: int, rule: Rule) -> list[BlockCall]:
-    """`plan_step` for a rule with windows or documents: one call per pair of position runs (query run
-    of `rank` x key run of `src`) that shows any pair, through intervals where it is not fully visible.
+def plan_step_masked(layout: Layout, rank: int, src: int, world: int, n_local: int, rule: Rule) -> list[BlockCall]:
+    """`plan_step` for a rule with windows or documents: one call per pair of row units (`_rows`: query
+    rows of `rank` x key rows of `src`) that shows any pair, through intervals where it is not fully
+    visible.
 
     Each call is cut to the query rows that see any of its keys and the key rows any of them sees:
     a window shorter than a run then reads (and the ring moves, `rows_read`) only the rows near the
     boundary, and the kernel skips the rest without a launch over them."""
     calls = []
     for qs, ks in _visible_parts(layout, rank, src, world, n_local, rule):
-        iv = planned_intervals(rule, _span(qs), _span(ks))
+        iv = planned_intervals(rule, qs.span, ks.span)
         calls.append(_call(qs, ks, iv if iv.kind() is BlockKind.PARTIAL else None))
     return calls
 
@@ -115,7 +83,7 @@ def rows_read(plan: Sequence[BlockCall]) -> tuple[int, int]:
     return (min(c.k0 for c in plan), max(c.k1 for c in plan)) if plan else (0, 0)
 
 
-def plan_step(layout: str, rank: int, src: int, world: int, n_local: int, causal: bool) -> list[BlockCall]:
+def plan_step(layout: Layout, rank: int, src: int, world: int, n_local: int, causal: bool) -> list[BlockCall]:
     """The block calls that attend `rank`'s queries to the keys of rank `src`, empty blocks left out.
 
     Two runs of stride `d` starting at global `gq`, `gk` compare as `gk + j*d <= gq + i*d`, i.e.
@@ -159,63 +127,8 @@ def plan_step(layout: str, rank: int, src: int, world: int, n_local: int, causal
     return calls
 
 
-def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        if group is not None:
-            raise ValueError("a process group was given but torch.distributed is not initialized")
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def shard(x: torch.Tensor, layout: str, dim: int = 1, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """This rank's part of a full sequence held by every rank.
-
-    Args:
-        x: the full tensor (same on every rank); sequence along `dim` of length S.
-        layout: `contiguous`, `zigzag` or `stripe`.
-        dim: the sequence dimension.
-        group: process group (default: the world; without torch.distributed, one rank).
-
-    Returns:
-        The local shard, length `S / W` along `dim` (a contiguous tensor).
-
-    Raises:
-        ValueError: S does not divide over W in `layout` (before any communication).
-    """
-    rank, world = _group_info(group)
-    seqlen = x.shape[dim]
-    check_layout(layout, seqlen, world)
-    n = seqlen // world
-    pos = local_positions(layout, rank, world, n).to(x.device)
-    return x.index_select(dim, pos)
-
-
-def unshard(x_local: torch.Tensor, layout: str, dim: int = 1, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Gather every rank's shard and put the tokens back in sequence order (inverse of `shard`).
-
-    Args:
-        x_local: this rank's shard, length `n` along `dim` (same shape on every rank).
-        layout, dim, group: as in `shard`.
-
-    Returns:
-        The full tensor, length `n * W` along `dim`, on every rank.
-    """
-    rank, world = _group_info(group)
-    n = x_local.shape[dim]
-    check_layout(layout, n * world, world)
-    if world == 1:
-        return x_local.clone()
-    parts = [torch.empty_like(x_local, memory_format=torch.contiguous_format) for _ in range(world)]
-    dist.all_gather(parts, x_local.contiguous(), group=group)
-    gathered = torch.cat(parts, dim=dim)
-    pos = torch.cat([local_positions(layout, r, world, n) for r in range(world)]).to(x_local.device)
-    out = torch.empty_like(gathered)
-    out.index_copy_(dim, pos, gathered)
-    return out
-
-
 @functools.lru_cache(maxsize=64)
-def step_plans(layout: str, rank: int, world: int, n: int, rule: Rule) -> tuple[tuple[tuple[BlockCall, ...], ...], ...]:
+def step_plans(layout: Layout, rank: int, world: int, n: int, rule: Rule) -> tuple[tuple[tuple[BlockCall, ...], ...], ...]:
     """`(plans, peer_plans)`: plans[s] are the block calls of step s, whose K/V came from rank
     (rank - s) mod W; peer_plans[s] those of rank (rank + s) mod W at its step s, when it holds our
     K/V. Cached: the same shapes come back on every call of a training run."""
@@ -241,7 +154,7 @@ class Route(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def kv_route(layout: str, world: int, n: int, rule: Rule) -> Route:
+def kv_route(layout: Layout, world: int, n: int, rule: Rule) -> Route:
     """The `Route` of a ring of `world` ranks holding `n` tokens each in `layout` under `rule`,
     from every rank's plans (each rank computes the same). Cached like `step_plans`.
 
