@@ -87,7 +87,7 @@ def ring_refusals(rank, world) -> list[str]:
 
     q = torch.randn(1, 4, 2, 8)
     v16 = torch.randn(1, 4, 2, 16)
-    calls = (dict(softcap=2.0, backend=SDPA_BLOCK_OP), dict(v=v16), dict(softcap=-1.0),
+    calls = (dict(softcap=2.0, backend=SDPA_BLOCK_OP), dict(v=v16, backend=SDPA_BLOCK_OP), dict(softcap=-1.0),
              dict(softcap=1.0 + rank))
     outcomes = [_outcome(ringlse.ring_attention, q, q, kw.pop("v", q), **kw) for kw in calls]
     return [o.get("message", "no error") for o in outcomes]
