@@ -1,7 +1,7 @@
 """A V head dim other than Q/K's (DeepSeek-style MLA: q, k `[..., d_qk]`, v and out `[..., d_v]`) through
 the ring (issue 54): gloo rings of W = 1..4, every layout, causal / window / documents, GQA and MQA,
 sinks and softcap, forward and backward (dq, dk, dv, d sinks), against the float64 oracles written
-independently of ringlse (`mask_oracle.oracle`, with sinks; `softcap_workers.oracle` for softcap).
+independently of ringlse (`mask_oracle.oracle`, with sinks and softcap).
 
 Backend `torch` in float64 (exact: `assert_close`'s float64 defaults), and `triton` under the CPU
 interpreter in float32 (CONVENTIONS.md §7's float32 bound, `1e-3 * max|ref|`). The shapes are small and
@@ -18,7 +18,6 @@ import torch
 import ringlse
 from dist_harness import run_ranks
 from mask_oracle import oracle
-from softcap_workers import oracle as softcap_oracle
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Triton interpreter's
 
@@ -42,11 +41,8 @@ def _loss(out, lse, dout, dlse):
 def _reference(c: dict, s: int, q, k, v, dout, dlse, sinks) -> list[torch.Tensor]:
     """`out, lse, dq, dk, dv[, d sinks]` of the oracle over the whole sequence."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
-    mask = dict(causal=c["causal"], window=c["window"], docs=c["docs"])
-    if c["softcap"]:
-        out, lse = softcap_oracle(*leaves[:3], range(s), range(s), softcap=c["softcap"], **mask)
-    else:
-        out, lse = oracle(*leaves[:3], range(s), range(s), sinks=leaves[3] if c["sinks"] else None, **mask)
+    out, lse = oracle(*leaves[:3], range(s), range(s), c["causal"], c["window"], c["docs"],
+                      sinks=leaves[3] if c["sinks"] else None, softcap=c["softcap"])
     _loss(out, lse, dout, dlse).backward()
     grads = [t.grad for t in leaves[:3]] + ([leaves[3].grad] if c["sinks"] else [])
     return [out.detach(), lse.detach(), *grads]
