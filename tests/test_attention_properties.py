@@ -4,8 +4,9 @@ float64 oracle written independently of ringlse (`mask_oracle.oracle`), forward 
 dv, d sinks), for random shapes (batch, lengths 1..70, GQA ratios, Q/K and V head dims of their own),
 softcap (0 or in [1, 50]), sinks or none, causal / window / documents, backend `torch` in float64.
 
-Rows that see no key are drawn on purpose (queries before or past their keys, other documents): they
-give out 0 and lse -inf, or with sinks lse = sink (CONVENTIONS.md §2, §3.1)."""
+Rows that see no key are drawn on purpose (more queries than keys, bottom-right and causal; queries past
+their keys under a window; queries in a document without keys; and, in every split, blocks a row sees
+nothing of): they give out 0 and lse -inf, or with sinks lse = sink (CONVENTIONS.md §2, §3.1)."""
 
 from __future__ import annotations
 
