@@ -100,7 +100,8 @@ def attention(
     `seqlen_q != seqlen_k` (query `i` at position `seqlen_k - seqlen_q + i`, key `j` at `j`).
 
     Args:
-        q: `[batch, seqlen_q, nheads, headdim]`; k, v: `[batch, seqlen_k, nheads_kv, headdim]`.
+        q: `[batch, seqlen_q, nheads, headdim]`; k: `[batch, seqlen_k, nheads_kv, headdim]`; v:
+            `[batch, seqlen_k, nheads_kv, headdim_v]` (as in `block_attention`).
         causal, softmax_scale, window_size, softcap, backend, sinks: as in `block_attention`.
         cu_seqlens: document boundaries over key positions `[0, ..., seqlen_k]` (a last boundary
             past `seqlen_k` is allowed).
@@ -137,7 +138,8 @@ def chunked_attention(
     stays `O(seqlen_q * chunk_size)` however long the keys, forward and backward.
 
     Args:
-        q: `[batch, seqlen_q, nheads, headdim]`; k, v: `[batch, seqlen_k, nheads_kv, headdim]`.
+        q: `[batch, seqlen_q, nheads, headdim]`; k: `[batch, seqlen_k, nheads_kv, headdim]`; v:
+            `[batch, seqlen_k, nheads_kv, headdim_v]` (as in `block_attention`).
         causal, window_size, cu_seqlens: as in `ringlse.attention` (bottom-right); chunks the mask
             empties are skipped.
         softmax_scale: defaults to `headdim ** -0.5`.

@@ -117,7 +117,11 @@ def expect_value_errors(rank, world, layout_bad_n: int) -> list[tuple[str, bool,
     attempt("documents not ending at S", lambda: ringlse.ring_attention(
         r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), cu_seqlens=[0, 4 * world - 1]))
     attempt("unknown backend", lambda: ringlse.ring_attention(r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), backend="nope"))
-    attempt("V head dim differs", lambda: ringlse.ring_attention(r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 4)))
+    # a V head dim of its own is computed by the torch and triton ops; others refuse it by name
+    from ringlse.blocks.sdpa import SDPA_BLOCK_OP
+
+    attempt("V head dim differs", lambda: ringlse.ring_attention(r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 4),
+                                                                 backend=SDPA_BLOCK_OP))
     # only rank 1 (or 0 for W=1) is wrong: the others must not hang in the ring
     bad_rank = min(1, world - 1)
     kd = torch.float16 if rank == bad_rank else torch.float32
@@ -125,6 +129,9 @@ def expect_value_errors(rank, world, layout_bad_n: int) -> list[tuple[str, bool,
     if world > 1:
         n = 8 if rank == 0 else 4
         attempt("ranks disagree on length", lambda: ringlse.ring_attention(r(1, n, 2, 8), r(1, n, 2, 8), r(1, n, 2, 8)))
+        vd = 4 if rank == 0 else 6
+        attempt("ranks disagree on V head dim", lambda: ringlse.ring_attention(
+            r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, vd), backend="torch"))
         attempt("ranks disagree on causal", lambda: ringlse.ring_attention(
             r(1, 4, 2, 8), r(1, 4, 2, 8), r(1, 4, 2, 8), causal=rank == 0, layout="contiguous"))
         docs = [0, 2, 4 * world] if rank == 0 else [0, 3, 4 * world]

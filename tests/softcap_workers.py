@@ -1,55 +1,26 @@
 """The oracle of tests/test_softcap_dv.py (logit softcapping, a V head dim of its own) and its gloo ring
 workers (spawned by `dist_harness.run_ranks`).
 
-The oracle is written here, not taken from ringlse: float64 scores `scale * q.k` (scale `d_qk ** -0.5` by
-default), capped to `softcap * tanh(s / softcap)`, masked pair by pair from global positions (causal,
-window `(left, right)`, documents), softmax with the natural-log lse over the capped scores; a row that
-sees no key gives out 0 and lse -inf, and nothing NaN backward (masked pairs get a large finite negative
-score before the exp, empty rows are set afterwards).
+The oracle is `mask_oracle.oracle`, written independently of ringlse: float64 scores `scale * q.k` (scale
+`d_qk ** -0.5` by default), capped to `softcap * tanh(s / softcap)`, masked pair by pair from global
+positions (causal, window `(left, right)`, documents), softmax with the natural-log lse over the capped
+scores; a row that sees no key gives out 0 and lse -inf, and nothing NaN backward.
 """
 
 from __future__ import annotations
 
 import torch
 
+import mask_oracle
 import ringlse
 from ring_workers import _outcome
 from ringlse.testing import random_inputs
 
 
 def oracle(q, k, v, q_pos, k_pos, *, causal=False, window=(-1, -1), docs=None, softcap=0.0, scale=None):
-    """`(out, lse)` of `[b, sq, h, d]`, `[b, sk, hkv, d]`, `[b, sk, hkv, dv]` at global positions."""
-    b, sq, h, d = q.shape
-    hkv = k.shape[2]
-    if k.shape[1] == 0:  # no keys: every row is empty
-        return q.new_zeros(b, sq, h, v.shape[-1]) + 0 * q.sum(), q.new_full((b, h, sq), float("-inf"))
-    scale = d ** -0.5 if scale is None else scale
-    p = torch.as_tensor(list(q_pos))[:, None]
-    t = torch.as_tensor(list(k_pos))[None, :]
-    seen = torch.ones(p.shape[0], t.shape[1], dtype=torch.bool)
-    if causal:
-        seen &= t <= p
-    if window[0] >= 0:
-        seen &= t >= p - window[0]
-    if window[1] >= 0:
-        seen &= t <= p + window[1]
-    if docs is not None:
-        doc = lambda x: sum((x >= e).long() for e in docs[1:])  # noqa: E731
-        seen &= doc(t) == doc(p)
-    kk, vv = k.repeat_interleave(h // hkv, 2), v.repeat_interleave(h // hkv, 2)
-    s = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    s = torch.where(seen, s, torch.full_like(s, -1e30))
-    m = s.amax(-1, keepdim=True).detach()
-    e = torch.exp(s - m) * seen
-    den = e.sum(-1, keepdim=True)
-    empty = ~seen.any(-1)[:, None]
-    pr = e / torch.where(empty, torch.ones_like(den), den)
-    out = torch.einsum("bhij,bjhd->bihd", pr, vv)
-    lse = (m + torch.log(torch.where(empty, torch.ones_like(den), den))).squeeze(-1)
-    lse = torch.where(empty.squeeze(-1), torch.full_like(lse, float("-inf")), lse)
-    return out, lse
+    """`(out, lse)` of `[b, sq, h, d]`, `[b, sk, hkv, d]`, `[b, sk, hkv, dv]` at global positions: the one
+    oracle of masks, sinks and softcap (`mask_oracle.oracle`), with its options as keywords."""
+    return mask_oracle.oracle(q, k, v, q_pos, k_pos, causal, window, docs, softcap=softcap, scale=scale)
 
 
 def ring_cases(rank, world, cases: list[dict]) -> list[str]:
@@ -87,7 +58,7 @@ def ring_refusals(rank, world) -> list[str]:
 
     q = torch.randn(1, 4, 2, 8)
     v16 = torch.randn(1, 4, 2, 16)
-    calls = (dict(softcap=2.0, backend=SDPA_BLOCK_OP), dict(v=v16), dict(softcap=-1.0),
+    calls = (dict(softcap=2.0, backend=SDPA_BLOCK_OP), dict(v=v16, backend=SDPA_BLOCK_OP), dict(softcap=-1.0),
              dict(softcap=1.0 + rank))
     outcomes = [_outcome(ringlse.ring_attention, q, q, kw.pop("v", q), **kw) for kw in calls]
     return [o.get("message", "no error") for o in outcomes]

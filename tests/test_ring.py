@@ -69,6 +69,9 @@ def test_bad_inputs_raise_on_every_rank(world, tmp_path):
     assert "dtype" in messages["dtype mismatch"]
     assert "multiple of nheads_kv" in messages["heads not divisible"]
     assert "V head dim 4 differs from Q/K head dim 8" in messages["V head dim differs"]
+    assert "backends that take it: torch, triton" in messages["V head dim differs"]
+    if world > 1:
+        assert "V head dim: 4 on rank 0, 6 on rank" in messages["ranks disagree on V head dim"]
 
 
 @pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"W{w}")

@@ -131,10 +131,13 @@ def test_the_agreement_row_round_trips():
     from ringlse.ring.agreement import AgreementRow, decide, describe_row
 
     q, k = torch.zeros(2, 12, 4, 16, dtype=torch.bfloat16), torch.zeros(2, 12, 2, 16, dtype=torch.bfloat16)
-    rows = [AgreementRow.of_call(q, k, True, "zigzag", 0.25, False, True, Rule(True, (8, 0), (0, 5, 24))),
-            AgreementRow.of_call(q, k, False, "stripe", 16**-0.5, True, False, Rule(False)),
+    v = torch.zeros(2, 12, 2, 8, dtype=torch.bfloat16)
+    rows = [AgreementRow.of_call(q, k, k, True, "zigzag", 0.25, False, True, Rule(True, (8, 0), (0, 5, 24))),
+            AgreementRow.of_call(q, k, k, False, "stripe", 16**-0.5, True, False, Rule(False)),
             AgreementRow.invalid(),
-            AgreementRow.of_call(q, k, True, "zigzag", 0.25, False, True, Rule(True, (8, 0), (0, 5, 24)), softcap=30.0)]
+            AgreementRow.of_call(q, k, k, True, "zigzag", 0.25, False, True, Rule(True, (8, 0), (0, 5, 24)),
+                                 softcap=30.0),
+            AgreementRow.of_call(q, k, v, True, "zigzag", 0.25, False, True, Rule(True, (8, 0), (0, 5, 24)))]
     for row in rows:
         ints = row.to_row()
         assert all(isinstance(x, int) for x in ints) and len(ints) == len(rows[0].to_row())
@@ -150,6 +153,9 @@ def test_the_agreement_row_round_trips():
     assert rows[3].describe()["softcap"] == "30" and rows[0].describe()["softcap"] == "0"
     with pytest.raises(ValueError, match=r"softcap: 0 on rank 0, 30 on rank 1"):
         decide([[0, *rows[0].to_row()], [0, *rows[3].to_row()]], None, describe_row)
+    assert rows[4].describe()["V head dim"] == "8" and rows[0].describe()["V head dim"] == "16"
+    with pytest.raises(ValueError, match=r"V head dim: 16 on rank 0, 8 on rank 1"):
+        decide([[0, *rows[0].to_row()], [0, *rows[4].to_row()]], None, describe_row)
 
 
 class _FakeWork:

@@ -1,10 +1,11 @@
 """What the ring adds to a rank's memory: each rank's peak of live tensor bytes over the
 forward and backward of `ring_attention` against the single-device `ringlse.attention` on the same
 local shapes, on gloo ranks (`live_bytes.LiveBytes`: CPU keeps no allocator statistics), float32,
-causal, W = 2, 3, 4, contiguous and zigzag, MHA and GQA. The bound allows two K/V blocks and the
-float32 accumulators; this version holds three K/V buffers and three pieces of dk/dv messages (a
-quarter block of keys each), nothing that grows with W (the accounting test), and stays within it. The GPU counterpart, with
-`torch.cuda.max_memory_allocated`, is benchmarks/memory.py."""
+causal, W = 2, 3, 4, contiguous and zigzag, MHA, GQA and a V head dim other than Q/K's (MLA). The
+bound allows two K/V blocks and the float32 accumulators; this version holds three K/V buffers and
+three pieces of dk/dv messages (a quarter block of keys each), nothing that grows with W (the
+accounting test), and stays within it. The GPU counterpart, with `torch.cuda.max_memory_allocated`, is
+benchmarks/memory.py."""
 
 from __future__ import annotations
 
@@ -30,26 +31,27 @@ class Shape(NamedTuple):
     h: int
     hkv: int
     d: int
+    dv: int  # V's head dim
 
 
-SHAPES = {"mha": Shape(1, 256, 4, 4, 32), "gqa": Shape(1, 256, 4, 1, 32)}
+SHAPES = {"mha": Shape(1, 256, 4, 4, 32, 32), "gqa": Shape(1, 256, 4, 1, 32, 32), "mla": Shape(1, 256, 4, 2, 32, 16)}
 LAYOUTS = ("contiguous", "zigzag")
 F32 = 4  # bytes: inputs, accumulators and messages are all float32 here
 
 
 def kv_block_bytes(s: Shape) -> int:
     """One K/V block as it travels: k and v of one rank, input dtype."""
-    return 2 * s.b * s.n * s.hkv * s.d * F32
+    return s.b * s.n * s.hkv * (s.d + s.dv) * F32
 
 
 def accumulator_bytes(s: Shape) -> int:
     """The ring's float32 accumulators: `out` and `lse` (forward); `dq`, `dk`, `dv` (backward)."""
-    return s.b * s.n * s.h * s.d * F32 + s.b * s.h * s.n * F32 + (s.b * s.n * s.h * s.d + 2 * s.b * s.n * s.hkv * s.d) * F32
+    return (s.b * s.n * s.h * s.dv + s.b * s.h * s.n + s.b * s.n * s.h * s.d + s.b * s.n * s.hkv * (s.d + s.dv)) * F32
 
 
 def message_bytes(s: Shape) -> int:
     """The float32 dk and dv of one K/V block, as they travel home."""
-    return 2 * s.b * s.n * s.hkv * s.d * 4
+    return s.b * s.n * s.hkv * (s.d + s.dv) * 4
 
 
 ROWS = 16  # query rows per call of the `torch` op below
@@ -60,7 +62,7 @@ def slack_bytes(s: Shape) -> int:
     block into `out_acc` through temporaries (weights, the weighted old and new states, `ROWS` rows
     at a time) that the single-device call, one block returned as it is, never makes, and the
     agreement's and plan's small tensors (a few KiB)."""
-    return 4 * s.b * ROWS * s.h * (s.d + 2) * F32 + 16 * 1024
+    return 4 * s.b * ROWS * s.h * (s.dv + 2) * F32 + 16 * 1024
 
 
 def budget(s: Shape) -> int:
@@ -78,7 +80,7 @@ def _rows_forward(q, k, v, *, q_start, out_acc=None, lse_acc=None, **kw):
     are larger than everything the ring holds and would hide it in the peak."""
     b, sq, h, d = q.shape
     if out_acc is None:  # a lone call returns its state (the single-device path)
-        out, lse = torch.empty(q.shape, dtype=q.dtype), torch.empty((b, h, sq), dtype=torch.float32)
+        out, lse = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype), torch.empty((b, h, sq), dtype=torch.float32)
         for r0, r1 in _rows(sq):
             out[:, r0:r1], lse[:, :, r0:r1] = torch_block_forward(q[:, r0:r1], k, v, q_start=q_start + r0, **kw)
         return out, lse
@@ -96,7 +98,7 @@ def _rows_backward(dout, q, k, v, out, lse, delta, *, q_start, dq_acc, lse_grad=
                              q_start=q_start + r0, dq_acc=None if dq_acc is None else dq_acc[:, rows], **kw)
 
 
-ROWS_OP = BlockOp("torch-rows", _rows_forward, _rows_backward, Capabilities(split_backward=True))
+ROWS_OP = BlockOp("torch-rows", _rows_forward, _rows_backward, Capabilities(split_backward=True, v_head_dim=True))
 
 
 def _region(fn, q, k, v, dout) -> dict[str, int]:
@@ -123,8 +125,9 @@ def rank_peaks(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict
         s = SHAPES[shape_id]
         gen = torch.Generator().manual_seed(100 * rank + len(results))
         q = torch.randn(s.b, s.n, s.h, s.d, generator=gen).requires_grad_()
-        k, v = (torch.randn(s.b, s.n, s.hkv, s.d, generator=gen).requires_grad_() for _ in range(2))
-        dout = torch.randn(s.b, s.n, s.h, s.d, generator=gen)
+        k = torch.randn(s.b, s.n, s.hkv, s.d, generator=gen).requires_grad_()
+        v = torch.randn(s.b, s.n, s.hkv, s.dv, generator=gen).requires_grad_()
+        dout = torch.randn(s.b, s.n, s.h, s.dv, generator=gen)
 
         def ring(q, k, v):
             return ringlse.ring_attention(q, k, v, causal=True, layout=layout, backend=ROWS_OP)

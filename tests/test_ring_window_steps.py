@@ -83,8 +83,8 @@ def _sends_logged(comm) -> Iterator[list]:
         a = inspect.signature(exchange).bind(*args, **kw)
         a.apply_defaults()
         send = a.arguments["send"]
-        log.append((a.arguments["tag"], a.arguments["step"], (comm.rank + 1) % comm.world, send.shape[-3],
-                    send.nbytes))
+        rows = send.numel() // (2 * B * HKV * D)  # a whole packed K/V block: one flat buffer (`KVPack`)
+        log.append((a.arguments["tag"], a.arguments["step"], (comm.rank + 1) % comm.world, rows, send.nbytes))
         return exchange(*args, **kw)
 
     def logged_send_recv(*args, **kw):

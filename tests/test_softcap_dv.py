@@ -228,6 +228,6 @@ def test_ring_refuses_on_every_rank(tmp_path):
     for messages in per_rank:
         sdpa, dv, negative, disagree = messages
         assert "softcap" in sdpa and "backends that take it: torch, triton" in sdpa
-        assert "a V head dim other than Q/K's is not supported in the ring yet" in dv
+        assert "V head dim 16 differs from Q/K head dim 8" in dv and "backends that take it: torch, triton" in dv
         assert "softcap must be 0" in negative
         assert "softcap" in disagree and "no error" != disagree

@@ -58,6 +58,21 @@ def test_gemma2_softcap_ring_equals_whole_model(tmp_path):
             assert r["grads"] <= FLOAT32_SOFTMAX, where
 
 
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"W{w}")
+def test_deepseek_v3_mla_ring_equals_whole_model(world, tmp_path):
+    """DeepSeek-V3's multi-head latent attention (q/k head dim 24, v head dim 16) through the ring, against
+    the whole model on transformers' sdpa attention (exact in float64), packed documents included."""
+    seqlen = 2 * world * 11
+    cases = [dict(layout=layout, seqlen=seqlen, docs=docs, compiled=False, arch="deepseek_v3")
+             for layout, docs in (("zigzag", None), ("stripe", _docs(seqlen)))]
+    per_rank = run_ranks(tw.llama_rings, world, tmp_path, cases, timeout=300)
+    for rank, results in enumerate(per_rank):
+        for case, r in zip(cases, results):
+            where = f"W={world} rank {rank} {case}"
+            assert r["logits"] <= EXACT, where
+            assert r["grads"] <= EXACT, where
+
+
 def test_packed_documents_equal_documents_one_by_one():
     rt.register()
     model = tw.tiny_llama()

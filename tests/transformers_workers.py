@@ -34,6 +34,26 @@ def tiny_gemma2(seed: int = 0):
     return Gemma2ForCausalLM(Gemma2Config(**cfg)).double()
 
 
+def tiny_deepseek_v3(seed: int = 0):
+    """A 2-layer DeepSeek-V3 with random weights and multi-head latent attention: q/k head dim 24 (16
+    without rope + 8 with), v head dim 16, float64, no download. Every layer dense (its MoE layers run
+    torch._grouped_mm, which takes no float64)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=4, max_position_embeddings=512, attention_dropout=0.0, q_lora_rank=None,
+               kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+               num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=2, moe_intermediate_size=32,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)).double()
+
+
+# arch -> (the tiny model, the transformers attention it is compared with: sdpa is exact in float64;
+# Gemma 2's softcapping only runs on eager, whose softmax rounds to float32)
+ARCHS = {"llama": (tiny_llama, "sdpa"), "gemma2": (tiny_gemma2, "eager"), "deepseek_v3": (tiny_deepseek_v3, "sdpa")}
+
+
 def packed_inputs(seqlen: int, docs: list[int] | None, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """`(input_ids, position_ids)` `[1, seqlen]`: positions restart at 0 at every boundary of `docs`."""
     g = torch.Generator().manual_seed(seed)
@@ -66,8 +86,9 @@ def llama_rings(rank: int, world: int, cases: list[dict]) -> list[dict]:
 def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] | None, compiled: bool,
                arch: str = "llama") -> dict:
     """Max abs differences, ring vs whole (transformers' sdpa: exact in float64; eager rounds its
-    softmax to float32), of logits and of parameter gradients summed over the ranks. `arch="gemma2"`:
-    `tiny_gemma2` (softcapping, which transformers' sdpa refuses: both references are its eager)."""
+    softmax to float32), of logits and of parameter gradients summed over the ranks. `arch`: a key of
+    `ARCHS` (`gemma2`: softcapping, which transformers' sdpa refuses: both references are its eager;
+    `deepseek_v3`: a V head dim other than Q/K's)."""
     import torch.distributed as dist
     import torch._dynamo
     import torch._dynamo.testing
@@ -76,9 +97,10 @@ def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] 
     from ringlse.integrations import transformers as rt
 
     rt.register()
-    model = tiny_llama() if arch == "llama" else tiny_gemma2()
+    build, reference = ARCHS[arch]
+    model = build()
     ids, pos = packed_inputs(seqlen, docs)
-    ref_logits, ref_grads = whole_model(model, ids, pos, docs, "sdpa" if arch == "llama" else "eager")
+    ref_logits, ref_grads = whole_model(model, ids, pos, docs, reference)
     eager_logits, _ = whole_model(model, ids, pos, docs, "eager")
 
     model.config._attn_implementation = "ringlse"
@@ -107,7 +129,8 @@ def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] 
 
 def refused_in_ring(rank: int, world: int) -> dict[str, str]:
     """Inside `ring()`, keywords the attention does not compute raise on this rank (every rank gets the
-    same keywords; softcap is computed: "no error"); the group still works after them."""
+    same keywords; softcap, sinks and a V head dim of its own are computed: "no error"); the group still
+    works after them."""
     import torch.distributed as dist
 
     from ringlse.integrations import transformers as rt

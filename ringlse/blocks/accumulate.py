@@ -22,6 +22,7 @@ import torch
 
 from ringlse.blocks.calls import BlockArgs, BlockCall, BlockGrads
 from ringlse.checks import lse_dtype
+from ringlse.kv_pack import KVPack
 from ringlse.merge import PartSum, StateMerge, StatePart
 
 
@@ -151,11 +152,12 @@ class InPlace:
         """What dk/dv travel in: the float32 (float64) accumulation."""
         return lse_dtype(q.dtype)
 
-    def message(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+    def message(self, pack: KVPack, dtype: torch.dtype, device: torch.device,
                 into: torch.Tensor | None = None) -> tuple[PartSum, PartSum]:
-        """A dk and a dv of `shape` to add into, over `into` (`[2, *shape]`, zeroed) or a new zeroed buffer."""
-        buf = torch.zeros((2, *shape), dtype=dtype, device=device) if into is None else into
-        return _over(buf[0]), _over(buf[1])
+        """A dk and a dv of `pack`'s shapes to add into, over `into` (a zeroed flat buffer of `pack`) or a
+        new zeroed one."""
+        dk, dv = pack.views(pack.zeros(dtype, device) if into is None else into)
+        return _over(dk), _over(dv)
 
 
 class Parts:
@@ -192,13 +194,13 @@ class Parts:
             return k.dtype
         return lse_dtype(q.dtype)
 
-    def message(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+    def message(self, pack: KVPack, dtype: torch.dtype, device: torch.device,
                 into: torch.Tensor | None = None) -> tuple[PartSum, PartSum]:
-        """A dk and a dv of `shape`, summed from parts in float32 (float64) when sent."""
+        """A dk and a dv of `pack`'s shapes, summed from parts in float32 (float64) when sent."""
         if into is not None:
             raise ValueError("ops that return parts build no message in a given buffer")
         acc = lse_dtype(dtype)
-        return PartSum(shape, acc, device), PartSum(shape, acc, device)
+        return PartSum(pack.k, acc, device), PartSum(pack.v, acc, device)
 
 
 Accumulation = InPlace | Parts

@@ -28,9 +28,8 @@ Never silently wrong: every keyword transformers passes to the attention functio
 softcapping, s_aux / sinks: GPT-OSS's attention sinks), ignored on purpose because it carries no
 attention math (`IGNORED_KEYWORDS`, each with its reason), or refused with an error naming the model
 feature: dropout, position biases, sparse indices, attention weights, and any keyword this module does
-not know. A V head dim other than Q/K's (DeepSeek-style MLA) is computed single-device; inside `ring()`
-it raises (the ring does not take it yet). Every rank runs the same model, so every rank raises, before
-any K/V moves.
+not know. A V head dim other than Q/K's (DeepSeek-style MLA) is computed, single-device and inside
+`ring()`. Every rank runs the same model, so every rank raises, before any K/V moves.
 """
 
 from __future__ import annotations

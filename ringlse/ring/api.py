@@ -36,8 +36,10 @@ def ring_attention(
 
     Args:
         q: this rank's queries `[batch, n, nheads, headdim]` (n = S / W tokens, placed by `layout`).
-        k, v: this rank's keys/values `[batch, n, nheads_kv, headdim]` (same positions as q; GQA/MQA
-            without repeating K/V).
+        k, v: this rank's keys `[batch, n, nheads_kv, headdim]` and values `[batch, n, nheads_kv,
+            headdim_v]` (same positions as q; GQA/MQA without repeating K/V). `headdim_v` may differ
+            from `headdim` (DeepSeek-style MLA) on the `torch` and `triton` backends; the others raise
+            ValueError naming it, on every rank.
         causal: causal mask over global positions.
         softmax_scale: defaults to `headdim ** -0.5`.
         group: process group (default: the world; without torch.distributed, a single rank).
@@ -59,11 +61,10 @@ def ring_attention(
             the process group's timeout. On NCCL an explicit one makes the host wait for each
             transfer (`Work.wait(timeout)`); without it the NCCL watchdog enforces the group's.
         softcap: 0 (off) or `s > 0`: scores capped to `s * tanh(scale * q.k / s)` before the softmax
-            (`torch` and `triton` backends; the ranks must agree on it). A V head dim other than
-            Q/K's is not taken by the ring yet (ValueError on every rank).
+            (`torch` and `triton` backends; the ranks must agree on it).
 
     Returns:
-        This rank's `out` `[batch, n, nheads, headdim]` (q's dtype), or `(out, lse)`. Differentiable:
+        This rank's `out` `[batch, n, nheads, headdim_v]` (q's dtype), or `(out, lse)`. Differentiable:
         autograd returns exact `dq`, `dk`, `dv` for the local shards.
 
     Raises:

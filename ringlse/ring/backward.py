@@ -16,6 +16,7 @@ import torch
 from ringlse.blocks.accumulate import GradInputs, GradTarget
 from ringlse.blocks.calls import BlockCall
 from ringlse.checks import lse_dtype
+from ringlse.kv_pack import KVPack
 from ringlse.merge import PartSum
 from ringlse.ring.call import RingCall
 from ringlse.ring.dkv_return import messages_of, dkv_return
@@ -69,6 +70,7 @@ def ring_backward(call: RingCall, g: GradInputs, k: torch.Tensor, v: torch.Tenso
     transfer is in flight, the first half (three times the work) while the last gradients go home.
     """
     q, comm, acc = g.q, call.comm, call.op.accumulation
+    pack = KVPack.of(k, v)  # a dk/dv message's shapes: dv has V's head dim
     dq, dk, dv = (PartSum(t.shape, lse_dtype(q.dtype), t.device) for t in (q, k, v))
 
     def add(calls: Sequence[BlockCall], kv: KV, dq_into: PartSum | None, dk_into: PartSum | None,
@@ -83,7 +85,7 @@ def ring_backward(call: RingCall, g: GradInputs, k: torch.Tensor, v: torch.Tenso
         """Our messages' dk/dv (in `into` where given), dq added locally where `with_dq`."""
         built = []
         for m in messages:
-            dk_m, dv_m = acc.message((k.shape[0], m.k1 - m.k0, *k.shape[2:]), m.dtype, q.device, into)
+            dk_m, dv_m = acc.message(pack.rows(m.k1 - m.k0), m.dtype, q.device, into)
             add(m.calls, kv, dq if with_dq else None, dk_m, dv_m, m.k0)
             built += [dk_m.result(m.dtype), dv_m.result(m.dtype)]
         return built
@@ -94,7 +96,7 @@ def ring_backward(call: RingCall, g: GradInputs, k: torch.Tensor, v: torch.Tenso
     keys_low, keys_high = split_keys(call.plans[0], q.shape[1] // 2)
     moves = kv_transport(call, k, v)
     pieces = Pieces.of(call, q, k, v)
-    returns = dkv_return(call, k, pieces.split, piece_size(q.shape[1], DKV_PIECES))
+    returns = dkv_return(call, k, v, pieces.split, piece_size(q.shape[1], DKV_PIECES))
     try:
         for s, kv in moves.blocks("backward"):
             if s == 0:

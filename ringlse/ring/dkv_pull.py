@@ -41,6 +41,7 @@ import functools
 
 import torch
 
+from ringlse.kv_pack import KVPack
 from ringlse.ring.pull import _symm_mem, event_within, side_stream
 
 # channels of the message workspace's signal pads: "ready" and "read" per slot
@@ -77,7 +78,7 @@ class _Workspace:
     buf: torch.Tensor  # SLOTS slots of `slot_bytes`
     handle: object  # its symmetric-memory handle (the peers' slots and signal pads)
     slot_bytes: int
-    views: dict = dataclasses.field(default_factory=dict)  # (rank, slot, shape, dtype) -> tensor
+    views: dict = dataclasses.field(default_factory=dict)  # (rank, slot, pack, dtype) -> flat tensor
     owner: list = dataclasses.field(default_factory=lambda: [None] * SLOTS)  # each slot's last message went to
     pads: dict = dataclasses.field(default_factory=dict)  # rank -> its signal pad's address
     counts: dict = dataclasses.field(default_factory=dict)  # ("to" | "from", peer, channel) -> last number
@@ -86,35 +87,35 @@ class _Workspace:
 class PulledMessages:
     """One backward call's dk/dv messages in this rank's slots, and the ones it pulls home.
 
-    The workspace (two slots of `slot_rows` keys, `[2, b, rows, hkv, d]` float32 each) lives on the
-    group's `RingComm` (`message_workspaces`: device -> `_Workspace`) across calls; growing it is
-    collective, and every rank asks for the same size (from the agreed shapes), so they grow together.
+    The workspace (two slots of `slot_rows` keys, each a flat float32 `KVPack` buffer: dk `[b, rows, hkv,
+    d]`, then dv `[b, rows, hkv, d_v]`) lives on the group's `RingComm` (`message_workspaces`: device ->
+    `_Workspace`) across calls; growing it is collective, and every rank asks for the same size (from the
+    agreed shapes), so they grow together.
 
     Args:
         comm: the ring's `RingComm`.
-        like: a tensor `[b, n, hkv, d]` of this rank's keys (shape, device).
+        pack: the shapes of this rank's K and V (`[b, n, hkv, d]`, `[b, n, hkv, d_v]`).
+        device: where they are.
         slot_rows: keys per slot.
         dtype: the messages' dtype (float32).
         limit: how long the host waits for one message or slot (None: the group's timeout).
     """
 
-    def __init__(self, comm, like: torch.Tensor, slot_rows: int, dtype: torch.dtype,
+    def __init__(self, comm, pack: KVPack, device: torch.device, slot_rows: int, dtype: torch.dtype,
                  limit: datetime.timedelta | None):
-        self.comm, self.dtype = comm, dtype
-        b, _, hkv, d = like.shape
-        self.unit = (b, hkv, d)
+        self.comm, self.dtype, self.pack = comm, dtype, pack
         self.slot_rows = slot_rows
-        self.send_stream, self.recv_stream = side_stream(like.device, "dkv-send"), side_stream(like.device, "dkv-recv")
+        self.send_stream, self.recv_stream = side_stream(device, "dkv-send"), side_stream(device, "dkv-recv")
         self.limit = limit or comm.timeout()
-        slot_bytes = -(-2 * b * slot_rows * hkv * d * dtype.itemsize // 256) * 256
-        ws = comm.message_workspaces.get(like.device.index)
+        slot_bytes = -(-pack.rows(slot_rows).numel * dtype.itemsize // 256) * 256
+        ws = comm.message_workspaces.get(device.index)
         if ws is None or ws.slot_bytes < slot_bytes:
             if ws is not None:
                 comm.retired_workspaces.append(ws)
             symm_mem = _symm_mem()
-            buf = symm_mem.empty(SLOTS * slot_bytes, dtype=torch.uint8, device=like.device)
+            buf = symm_mem.empty(SLOTS * slot_bytes, dtype=torch.uint8, device=device)
             handle = symm_mem.rendezvous(buf, comm.group_or_world())
-            ws = comm.message_workspaces[like.device.index] = _Workspace(buf, handle, slot_bytes)
+            ws = comm.message_workspaces[device.index] = _Workspace(buf, handle, slot_bytes)
         self.ws = ws
         self.waits: list[tuple[int, int]] = []  # (src, channel) of the counters this call waits on
         self.pending: list[tuple[torch.cuda.Event, int, int, str]] = []  # what `finish` waits for
@@ -124,16 +125,16 @@ class PulledMessages:
         return rows <= self.slot_rows
 
     def _view(self, rank: int, slot: int, rows: int) -> torch.Tensor:
-        """Slot `slot` of rank `rank`'s workspace as a `[2, b, rows, hkv, d]` tensor (views kept: making one
-        costs ~50 us of host time)."""
+        """Slot `slot` of rank `rank`'s workspace as a flat buffer of a message of `rows` keys (`pack.rows`;
+        views kept: making one costs ~50 us of host time)."""
         ws = self.ws
-        shape = (2, self.unit[0], rows, *self.unit[1:])
-        key = (rank, slot, shape, self.dtype)
+        pack = self.pack.rows(rows)
+        key = (rank, slot, pack, self.dtype)
         view = ws.views.get(key)
         if view is None:
             if len(ws.views) >= 256:
                 ws.views.clear()
-            view = ws.views[key] = ws.handle.get_buffer(rank, shape, self.dtype,
+            view = ws.views[key] = ws.handle.get_buffer(rank, (pack.numel,), self.dtype,
                                                         slot * ws.slot_bytes // self.dtype.itemsize)
         return view
 
@@ -158,8 +159,9 @@ class PulledMessages:
         _memop(1, stream, self._address(self.comm.rank, channel, src), n)
 
     def message(self, piece: int, rows: int, step: int) -> torch.Tensor:
-        """A zeroed `[2, b, rows, hkv, d]` message in piece `piece`'s slot, for the current stream to add
-        dk/dv into, once the owner of the slot's last message has read it (step `step`, for a fault)."""
+        """A zeroed flat message of `rows` keys (`KVPack.rows`) in piece `piece`'s slot, for the current
+        stream to add dk/dv into, once the owner of the slot's last message has read it (step `step`, for a
+        fault)."""
         slot = piece % SLOTS
         last_owner = self.ws.owner[slot]
         if last_owner is not None:
@@ -181,12 +183,11 @@ class PulledMessages:
         self.ws.owner[slot] = dst
 
     def receive(self, piece: int, src: int, rows: int, step: int) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """Pull group rank `src`'s message of piece `piece` (`rows` keys, step `step`) into a new buffer once
-        it is ready; returns the buffer and the event of its arrival (the current stream waits for it before
-        reading the buffer)."""
+        """Pull group rank `src`'s message of piece `piece` (`rows` keys, step `step`) into a new flat buffer
+        once it is ready; returns the buffer and the event of its arrival (the current stream waits for it
+        before reading the buffer)."""
         slot = piece % SLOTS
-        b, hkv, d = self.unit
-        buf = torch.empty((2, b, rows, hkv, d), dtype=self.dtype, device=self.ws.buf.device)
+        buf = self.pack.rows(rows).empty(self.dtype, self.ws.buf.device)
         self.recv_stream.wait_stream(torch.cuda.current_stream())  # the buffer is allocated there
         self._await(self.recv_stream, src, _READY + slot)
         with torch.cuda.stream(self.recv_stream):

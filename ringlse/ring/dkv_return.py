@@ -21,6 +21,7 @@ import torch
 
 from ringlse.blocks.calls import BlockCall
 from ringlse.checks import lse_dtype
+from ringlse.kv_pack import KVPack
 from ringlse.merge import PartSum
 from ringlse.ring.call import RingCall, Transport
 from ringlse.ring.dkv_pull import PulledMessages
@@ -48,14 +49,15 @@ def messages_of(call: RingCall, calls: list[BlockCall], q: torch.Tensor, k: torc
 class DkvReturn:
     """dk/dv messages as point-to-point batches (see the module docstring)."""
 
-    def __init__(self, call: RingCall, k: torch.Tensor):
-        self.call, self.k = call, k
+    def __init__(self, call: RingCall, k: torch.Tensor, v: torch.Tensor):
+        self.call, self.pack, self.device = call, KVPack.of(k, v), k.device
         # the previous piece's transfers: (works, what was sent, copy-engine arrivals, what comes in as
         # `(k0, k1, dk, dv)`), held until `settle`
         self.in_flight: tuple | None = None
 
     def slot(self, piece: int, messages: list[Message], step: int) -> torch.Tensor | None:
-        """Where to build our only message of `piece` (a zeroed `[2, b, rows, hkv, d]`), or None: anywhere."""
+        """Where to build our only message of `piece` (a zeroed flat `KVPack` buffer of its rows), or None:
+        anywhere."""
         return None
 
     def send(self, piece: int, dst: int, messages: list[Message], built: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -65,9 +67,8 @@ class DkvReturn:
     def _receive(self, piece: int, src: int, messages: list[Message], step: int) -> tuple[list, list]:
         """`(arrival events, [(k0, k1, dk, dv)])` of what `src` sends us for `piece` (point-to-point:
         buffers to receive into, no events)."""
-        b, _, hkv, d = self.k.shape
-        bufs = [(m, torch.empty((2, b, m.k1 - m.k0, hkv, d), dtype=m.dtype, device=self.k.device)) for m in messages]
-        return [], [(m.k0, m.k1, buf[0], buf[1]) for m, buf in bufs]
+        packs = [self.pack.rows(m.k1 - m.k0) for m in messages]
+        return [], [(m.k0, m.k1, *p.views(p.empty(m.dtype, self.device))) for m, p in zip(messages, packs)]
 
     def post(self, piece: int, step: int, dst: int, sent: list[torch.Tensor], src: int,
              theirs: list[Message]) -> None:
@@ -100,9 +101,9 @@ class DkvReturn:
 class CopyEngineReturn(DkvReturn):
     """Float32 pieces pulled home by copy engines where they fit a slot (see the module docstring)."""
 
-    def __init__(self, call: RingCall, k: torch.Tensor, slot_rows: int, dtype: torch.dtype):
-        super().__init__(call, k)
-        self.messages = PulledMessages(call.comm, k, slot_rows, dtype, call.limit)
+    def __init__(self, call: RingCall, k: torch.Tensor, v: torch.Tensor, slot_rows: int, dtype: torch.dtype):
+        super().__init__(call, k, v)
+        self.messages = PulledMessages(call.comm, self.pack, k.device, slot_rows, dtype, call.limit)
 
     def _by_copy(self, messages: list[Message]) -> bool:
         return len(messages) == 1 and self.messages.fits(messages[0].k1 - messages[0].k0)
@@ -123,7 +124,7 @@ class CopyEngineReturn(DkvReturn):
             return super()._receive(piece, src, messages, step)
         m = messages[0]
         buf, arrived = self.messages.receive(piece, src, m.k1 - m.k0, step)
-        return [arrived], [(m.k0, m.k1, buf[0], buf[1])]
+        return [arrived], [(m.k0, m.k1, *self.pack.rows(m.k1 - m.k0).views(buf))]
 
     def finish(self) -> None:
         self.messages.finish()
@@ -132,12 +133,12 @@ class CopyEngineReturn(DkvReturn):
         self.messages.release()
 
 
-def dkv_return(call: RingCall, k: torch.Tensor, pieces: bool, slot_rows: int) -> DkvReturn:
+def dkv_return(call: RingCall, k: torch.Tensor, v: torch.Tensor, pieces: bool, slot_rows: int) -> DkvReturn:
     """The dk/dv return of a backward pass: copy engines where K/V travel so and the op builds float32
     pieces (`pieces`, of at most `slot_rows` keys) in buffers it is given; else point-to-point. Every
     rank makes the same choice (the agreed inputs and transport), and the copy-engine workspace is
     collective."""
     acc = call.op.accumulation
     if call.transport is Transport.COPY_ENGINE and pieces and acc.builds_into:
-        return CopyEngineReturn(call, k, slot_rows, lse_dtype(k.dtype))
-    return DkvReturn(call, k)
+        return CopyEngineReturn(call, k, v, slot_rows, lse_dtype(k.dtype))
+    return DkvReturn(call, k, v)

@@ -135,19 +135,15 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
     if error is None:
         try:
             scale = check_scale(softmax_scale, q.shape[-1], "ring_attention")
-            if v.shape[-1] != q.shape[-1]:  # K and V travel in one buffer of K's shape (`kv_transport`)
-                raise ValueError(f"ring_attention: V head dim {v.shape[-1]} differs from Q/K head dim {q.shape[-1]}: "
-                                 "a V head dim other than Q/K's is not supported in the ring yet; single-device "
-                                 "attention takes it (torch, triton backends)")
             op = get_block_op(backend, q.device, q.dtype, masked=not rule.plain, head_dim=q.shape[-1],
-                              softcap=softcap)
+                              softcap=softcap, v_head_dim=v.shape[-1])
             if not rule.plain and op.caps.masks is not Masks.INTERVALS:
                 raise ValueError(f"ring_attention: windows and documents need a backend that takes intervals; "
                                  f"the {op.name!r} block op does not")
         except (ValueError, TypeError) as e:
             error = str(e)
     row = AgreementRow.invalid() if error is not None else AgreementRow.of_call(
-        q, k, causal, layout, scale, return_lse, transport is Transport.COPY_ENGINE, rule, softcap)
+        q, k, v, causal, layout, scale, return_lse, transport is Transport.COPY_ENGINE, rule, softcap)
     if agree:
         check = comm.post_agreement(row.to_row(), error, limit, describe_row)
         if error is not None:

@@ -27,7 +27,7 @@ def ring_forward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     up to 0.8 ms after the own block ended on 4xH200). Otherwise the own block is queued first, so the
     GPU works while this rank waits for the others."""
     op, comm = call.op, call.comm
-    state = op.accumulation.state(op, q.shape, lse_dtype(q.dtype), q.device)
+    state = op.accumulation.state(op, (*q.shape[:3], v.shape[-1]), lse_dtype(q.dtype), q.device)
     moves = kv_transport(call, k, v)
 
     def attend(plan: Sequence[BlockCall], kv: KV | None) -> None:

@@ -20,10 +20,11 @@ backward's dk/dv, in the same order (NCCL matches point-to-point messages by ord
 at step s depends only on its peers having posted step s, which they do after their waits of
 earlier steps: no cycle.
 
-Buffers: block s lands in `bufs[s % 3]` (direct sends use theirs in turn). A transfer waits only for
-the last reader of the buffer it fills (an event), not for everything queued: with three buffers that
-reader is step s-2's work, long done, so the transfer starts while step s-1 still runs, not when step
-s's kernels already hold every SM.
+Buffers: a block travels packed in one flat buffer, K's elements then V's, each with its own head dim
+(`ringlse.kv_pack.KVPack`), so one message per step carries it. Block s lands in `bufs[s % 3]` (direct
+sends use theirs in turn). A transfer waits only for the last reader of the buffer it fills (an event),
+not for everything queued: with three buffers that reader is step s-2's work, long done, so the transfer
+starts while step s-1 still runs, not when step s's kernels already hold every SM.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ringlse.kv_pack import KVPack
 from ringlse.ring.call import RingCall, Transport
 from ringlse.ring.comm import Pending, record_event
 from ringlse.ring.plan import rows_read
@@ -41,7 +43,7 @@ from ringlse.ring.pull import PulledKV
 # point-to-point tags, one per kind of message (gloo matches messages by peer and tag)
 KV_TAG, DKV_TAG, DIRECT_KV_TAG = 1, 2, 3
 
-KV = tuple[torch.Tensor, torch.Tensor] | torch.Tensor  # (k, v), or a packed `[2, b, n, hkv, d]` block
+KV = tuple[torch.Tensor, torch.Tensor]  # (k, v) of one block (views into its packed buffer, `KVPack`)
 
 
 class KVTransport:
@@ -51,10 +53,12 @@ class KVTransport:
 
     def __init__(self, call: RingCall, k: torch.Tensor, v: torch.Tensor):
         self.call, self.own = call, (k, v)
+        self.pack = KVPack.of(k, v)
 
     def _new(self) -> torch.Tensor:
+        """A flat buffer for one packed K/V block (`KVPack`)."""
         k = self.own[0]
-        return torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+        return self.pack.empty(k.dtype, k.device)
 
     def blocks(self, phase: str) -> Iterator[tuple[int, KV | None]]:
         """Yield `(s, kv)` for s = 0 .. W-1: the K/V of rank (rank - s) mod W once it has arrived (this
@@ -79,11 +83,12 @@ class _Rotating(KVTransport):
     def __init__(self, call: RingCall, k: torch.Tensor, v: torch.Tensor, pack: bool):
         super().__init__(call, k, v)
         world = call.comm.world
-        self.kv_own = torch.stack([k, v]) if pack else None
+        self.kv_own = self.pack.pack(k, v) if pack else None
         # bufs[0] is used from W = 4 on (block 3); NCCL receives it into the packed own block, whose only
         # reader, the send of step 0, is queued before that receive on the same NCCL stream
         first = (self.kv_own if pack else self._new()) if world >= 4 else None
         self.bufs = [first, self._new(), self._new() if world >= 3 else None]
+        self.views = [None if b is None else self.pack.views(b) for b in self.bufs]  # made once, read every step
         self.ready = record_event() if k.is_cuda else None
 
     def _post(self, t: int, held: torch.Tensor, into: torch.Tensor, after) -> Any:
@@ -113,7 +118,7 @@ class _Rotating(KVTransport):
             if s + 1 < world:
                 nxt = (s + 1) % 3
                 posted = self._post(s + 1, kv, self.bufs[nxt], last_read[nxt])
-            yield s, kv
+            yield s, self.views[s % 3]
             if cuda:
                 last_read[s % 3] = record_event()
         self._end()
@@ -167,9 +172,10 @@ class DirectKV(KVTransport):
 
     def __init__(self, call: RingCall, k: torch.Tensor, v: torch.Tensor):
         super().__init__(call, k, v)
-        self.kv_own = torch.stack([k, v])
+        self.kv_own = self.pack.pack(k, v)
         received = sum(1 for s in call.route.steps if call.plans[s])
         self.bufs = [self._new() for _ in range(min(3, received))]
+        self.views = [self.pack.views(b) for b in self.bufs]
         self.ready = record_event() if k.is_cuda else None
 
     def blocks(self, phase: str) -> Iterator[tuple[int, KV | None]]:
@@ -189,7 +195,7 @@ class DirectKV(KVTransport):
                 received += into is not None
                 after = self.ready if into is None else last_read[into]
                 posted[t] = self._post(t, None if into is None else bufs[into], after), into
-            yield s, self.own if s == 0 else (None if slot is None else bufs[slot])
+            yield s, self.own if s == 0 else (None if slot is None else self.views[slot])
             if cuda and slot is not None:
                 last_read[slot] = record_event()
 
@@ -197,17 +203,10 @@ class DirectKV(KVTransport):
         """Post step t: the rows rank (rank + t) reads of our K/V to it, the rows we read of rank
         (rank - t)'s into `buf` (None: we read none), once `after` has happened."""
         comm = self.call.comm
-        sends = row_views(self.kv_own, rows_read(self.call.peer_plans[t]))
-        recvs = [] if buf is None else row_views(buf, rows_read(self.call.plans[t]))
+        sends = self.pack.row_views(self.kv_own, rows_read(self.call.peer_plans[t]))
+        recvs = [] if buf is None else self.pack.row_views(buf, rows_read(self.call.plans[t]))
         return comm.send_recv(sends, (comm.rank + t) % comm.world, recvs, (comm.rank - t) % comm.world,
                               DIRECT_KV_TAG, step=t, ready=after)
-
-
-def row_views(kv: torch.Tensor, rows: tuple[int, int]) -> list[torch.Tensor]:
-    """Rows `[k0, k1)` of a packed K/V `[2, b, n, hkv, d]` as contiguous views, one per K/V and
-    sequence (point-to-point messages are contiguous; the rows of a batch of sequences are not)."""
-    k0, k1 = rows
-    return [kv[i, j, k0:k1] for i in range(2) for j in range(kv.shape[1])] if k1 > k0 else []
 
 
 def kv_transport(call: RingCall, k: torch.Tensor, v: torch.Tensor) -> KVTransport:

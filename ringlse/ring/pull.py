@@ -30,12 +30,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from ringlse.kv_pack import KVPack
 from ringlse.ring.comm import Pending
 
 # Workspaces live on the group's `RingComm` (`pull_workspaces`: device -> [buffer, handle, calls
-# published, {(rank, shape, dtype, offset): view}]; outgrown ones in `retired_workspaces`, since peers
-# may still read them), so they are freed when the group is destroyed. The side streams are per device
-# and role (K/V pulls here; the dk/dv messages' sends and receives in `ringlse.ring.dkv_pull`).
+# published, {(rank, pack, dtype, offset): (flat buffer, (k, v) views)}]; outgrown ones in
+# `retired_workspaces`, since peers may still read them), so they are freed when the group is destroyed.
+# The side streams are per device and role (K/V pulls here; the dk/dv messages' sends and receives in
+# `ringlse.ring.dkv_pull`).
 _STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 
@@ -99,8 +101,8 @@ def event_within(done: torch.cuda.Event, limit: datetime.timedelta, pause_cap: f
 
 
 class PulledKV:
-    """This rank's packed K/V `[2, b, n, hkv, d]` in symmetric memory, and the other ranks' blocks
-    pulled from theirs.
+    """This rank's packed K/V (a flat `KVPack` buffer: K `[b, n, hkv, d]`, then V `[b, n, hkv, d_v]`) in
+    symmetric memory, and the other ranks' blocks pulled from theirs.
 
     The workspace holds two regions used by alternate calls. A call writes its region without
     waiting for anyone: the peers last read it two calls ago, and they finished those reads before
@@ -119,9 +121,9 @@ class PulledKV:
 
     def __init__(self, comm, k: torch.Tensor, v: torch.Tensor, ready: torch.cuda.Event):
         self.comm = comm
-        self.shape = (2, *k.shape)
+        self.pack = KVPack.of(k, v)
         self.dtype = k.dtype
-        self.nbytes = 2 * k.numel() * k.element_size()
+        self.nbytes = self.pack.numel * k.element_size()
         self.workspaces = comm.pull_workspaces
         self.key = k.device.index
         self.stream = side_stream(k.device, "kv")
@@ -134,10 +136,9 @@ class PulledKV:
         with torch.cuda.stream(self.stream):
             ws = self.workspaces.get(self.key)
             if ws is not None and ws[0].numel() >= 2 * self.nbytes:
-                self.kv = self._region(ws)
-                torch.stack([k, v], out=self.kv)
+                self.kv = self.pack.pack(k, v, out=self._region(ws))
             else:
-                self.kv = torch.stack([k, v])
+                self.kv = self.pack.pack(k, v)
 
     def _region(self, ws) -> torch.Tensor:
         """Our region for this call: the first or second half of the workspace (fixed halves, so
@@ -146,17 +147,19 @@ class PulledKV:
         half = buf.numel() // 2
         self.handle, self.offset = handle, (calls % 2) * half // self.dtype.itemsize
         self.views = ws[3]
-        return self._view(self.comm.rank)
+        return self._view(self.comm.rank)[0]
 
-    def _view(self, rank: int) -> torch.Tensor:
-        """Rank `rank`'s region of this call as a tensor; the views are kept per workspace (making
-        one costs ~50 us of host time, and the first pull of a call waits for that)."""
-        key = (rank, self.shape, self.dtype, self.offset)
+    def _view(self, rank: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Rank `rank`'s region of this call: the flat buffer `[pack.numel]` and its K and V; the views
+        are kept per workspace (making one costs ~50 us of host time, and the first pull of a call
+        waits for that)."""
+        key = (rank, self.pack, self.dtype, self.offset)
         view = self.views.get(key)
         if view is None:
             if len(self.views) >= 256:  # shapes that keep changing: do not keep them all
                 self.views.clear()
-            view = self.views[key] = self.handle.get_buffer(rank, self.shape, self.dtype, self.offset)
+            flat = self.handle.get_buffer(rank, (self.pack.numel,), self.dtype, self.offset)
+            view = self.views[key] = (flat, self.pack.views(flat))
         return view
 
     def publish(self, limit: datetime.timedelta) -> None:
@@ -203,19 +206,20 @@ class PulledKV:
         torch.cuda.current_stream().wait_stream(self.stream)
 
     def pull(self, s: int, dst: torch.Tensor, rows: tuple[int, int], after: torch.cuda.Event | None) -> None:
-        """Copy rows `[k0, k1)` of rank (rank - s)'s K/V into `dst` (same shape), once `after` (the
-        last reader of `dst`) has happened. Batches of more than one sequence pull whole blocks
-        (their row ranges are not contiguous). No rows (a step this rank reads nothing at): no pull."""
+        """Copy rows `[k0, k1)` of rank (rank - s)'s K/V into `dst` (a flat buffer of the same pack),
+        once `after` (the last reader of `dst`) has happened. Batches of more than one sequence pull
+        whole blocks (their row ranges are not contiguous). No rows (a step this rank reads nothing
+        at): no pull."""
         if rows[1] <= rows[0]:
             return
         src = (self.comm.rank - s) % self.comm.world
-        remote = self._view(src)
-        k0, k1 = rows if self.shape[1] == 1 else (0, self.shape[2])
+        remote = self._view(src)[1]
+        k0, k1 = rows if self.pack.k[0] == 1 else (0, self.pack.k[1])
         if after is not None:
             self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
-            for i in range(2):  # K, V: each a contiguous run of rows
-                dst[i, :, k0:k1].copy_(remote[i, :, k0:k1])
+            for mine, theirs in zip(self.pack.views(dst), remote):  # K, V: each a contiguous run of rows
+                mine[:, k0:k1].copy_(theirs[:, k0:k1])
             done = torch.cuda.Event()
             done.record(self.stream)
         self.arrived[s] = done
