@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ringlse.blocks.calls import BlockCall
 from ringlse.masks import BlockKind, Intervals, Rule, Span, block_kind, planned_intervals
+from ringlse.ring.head_split import gather_head_pieces, head_piece
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 
@@ -167,7 +168,8 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def shard(x: torch.Tensor, layout: str, dim: int = 1, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def shard(x: torch.Tensor, layout: str, dim: int = 1, group: dist.ProcessGroup | None = None,
+          head_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's part of a full sequence held by every rank.
 
     Args:
@@ -175,6 +177,10 @@ def shard(x: torch.Tensor, layout: str, dim: int = 1, group: dist.ProcessGroup |
         layout: `contiguous`, `zigzag` or `stripe`.
         dim: the sequence dimension.
         group: process group (default: the world; without torch.distributed, one rank).
+        head_group: with head parallelism (`ring_attention(head_group=...)`), the U ranks that hold one
+            ring part: it is cut, in the order it holds its tokens, into U contiguous pieces, piece i
+            to head-group rank i (CONVENTIONS.md §5.1): the shard is `S / (W·U)` long; a ring part
+            that does not split into U pieces raises ValueError before any communication.
 
     Returns:
         The local shard, length `S / W` along `dim` (a contiguous tensor).
@@ -187,19 +193,23 @@ def shard(x: torch.Tensor, layout: str, dim: int = 1, group: dist.ProcessGroup |
     check_layout(layout, seqlen, world)
     n = seqlen // world
     pos = local_positions(layout, rank, world, n).to(x.device)
+    pos = head_piece(pos, head_group, seqlen)
     return x.index_select(dim, pos)
 
 
-def unshard(x_local: torch.Tensor, layout: str, dim: int = 1, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def unshard(x_local: torch.Tensor, layout: str, dim: int = 1, group: dist.ProcessGroup | None = None,
+            head_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Gather every rank's shard and put the tokens back in sequence order (inverse of `shard`).
 
     Args:
         x_local: this rank's shard, length `n` along `dim` (same shape on every rank).
         layout, dim, group: as in `shard`.
+        head_group: as in `shard`; the pieces of each ring part are gathered first (`n * W * U` long).
 
     Returns:
         The full tensor, length `n * W` along `dim`, on every rank.
     """
+    x_local = gather_head_pieces(x_local, dim, head_group)
     rank, world = _group_info(group)
     n = x_local.shape[dim]
     check_layout(layout, n * world, world)
