@@ -1,0 +1,122 @@
+"""Head parallelism x ring (`ring_attention(..., group=, head_group=)`, CONVENTIONS.md §5.1) on spawned
+gloo ranks, float64, against the dense oracle on the full sequence (`mask_oracle.oracle`), forward and
+backward (dq/dk/dv unsharded; d sinks summed over the ranks). One pool of ranks per world size (4 and
+6) runs every case, U x R grids built once per pool (`head_parallel_workers.grid`)."""
+
+from __future__ import annotations
+
+import pytest
+
+import head_parallel_workers as hw
+from dist_harness import RankPool, run_ranks
+from ringlse.ring.head_split import HeadSplit
+
+
+@pytest.fixture(scope="module")
+def pool4(tmp_path_factory):
+    with RankPool(4, tmp_path_factory.mktemp("hp4")) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def pool6(tmp_path_factory):
+    with RankPool(6, tmp_path_factory.mktemp("hp6")) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("h, hkv, size, heads", [
+    pytest.param(8, 2, 2, (0, 1), id="8/2-U2-as-is"),
+    pytest.param(8, 8, 4, tuple(range(8)), id="8/8-U4-as-is"),
+    pytest.param(12, 4, 2, (0, 1, 2, 3), id="12/4-U2-as-is"),
+    pytest.param(8, 1, 2, (0, 0), id="8/1-U2-one-each"),
+    pytest.param(8, 2, 4, (0, 0, 1, 1), id="8/2-U4-one-each"),
+    pytest.param(6, 2, 3, (0, 0, 0, 1, 1, 1), id="6/2-U3-one-per-query-head"),
+])
+def test_head_split_keeps_the_gqa_rule(h, hkv, size, heads):
+    split = HeadSplit.of(h, hkv, size)
+    assert split.kv_heads == heads and split.kv_split_as_is == (heads == tuple(range(hkv)))
+    hu, m = h // size, split.kv_per_rank
+    for u in range(size):  # local query head t reads local K/V head t // (hu / m), the global rule's kv head
+        for t in range(hu):
+            assert split.kv_heads[u * m + t // (hu // m)] == (u * hu + t) // (h // hkv)
+
+
+def test_heads_that_do_not_divide_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"nheads \(6\) does not divide over the head group's U=4"):
+        HeadSplit.of(6, 2, 4)
+
+
+CASES4 = [
+    pytest.param(dict(U=2, R=2, s=32, h=4, hkv=2, layout="zigzag", causal=True, seed=1), id="2x2-causal-zigzag-gqa4/2"),
+    pytest.param(dict(U=4, R=1, s=32, h=8, hkv=2, layout="contiguous", causal=True, seed=2),
+                 id="4x1-causal-gqa8/2-kv-repeated"),
+    pytest.param(dict(U=1, R=4, s=32, h=8, hkv=2, layout="zigzag", causal=True, seed=3), id="1x4-causal-zigzag"),
+    pytest.param(dict(U=2, R=2, s=32, h=8, hkv=1, layout="stripe", causal=True, window=(5, 0), seed=4),
+                 id="2x2-window-stripe-gqa8/1"),
+    pytest.param(dict(U=2, R=2, s=40, h=8, hkv=2, layout="zigzag", causal=True, docs=[0, 7, 7, 23, 40], seed=5),
+                 id="2x2-documents-zigzag-gqa8/2"),
+    pytest.param(dict(U=2, R=2, s=32, h=4, hkv=4, layout="contiguous", causal=False, window=(3, 2), sinks=True,
+                      seed=6), id="2x2-window-sinks-contiguous"),
+    pytest.param(dict(U=4, R=1, s=32, h=8, hkv=1, layout="stripe", causal=False, docs=[0, 10, 32], seed=7),
+                 id="4x1-documents-gqa8/1"),
+]
+
+
+@pytest.mark.parametrize("case", CASES4)
+def test_four_ranks_match_the_oracle(pool4, case):
+    assert [f for fs in pool4.run(hw.match_oracle, case) for f in fs] == []
+
+
+CASES6 = [
+    pytest.param(dict(U=2, R=3, s=48, h=8, hkv=2, layout="zigzag", causal=True, seed=11), id="2x3-causal-zigzag"),
+    pytest.param(dict(U=3, R=2, s=48, h=6, hkv=2, layout="stripe", causal=True, docs=[0, 13, 30, 48], sinks=True,
+                      seed=12), id="3x2-documents-sinks-gqa6/2"),
+    pytest.param(dict(U=3, R=2, s=48, h=6, hkv=1, layout="contiguous", causal=True, window=(6, 0), seed=13),
+                 id="3x2-window-gqa6/1"),
+]
+
+
+@pytest.mark.parametrize("case", CASES6)
+def test_six_ranks_match_the_oracle(pool6, case):
+    assert [f for fs in pool6.run(hw.match_oracle, case) for f in fs] == []
+
+
+def test_heads_not_dividing_over_u_raise_the_same_error_on_every_rank(pool4):
+    got = pool4.run(hw.refusal, dict(U=2, R=2, h=5, hkv=1, bad="heads"))
+    assert {g["type"] for g in got} == {"ValueError"}
+    assert len({g["message"] for g in got}) == 1, got
+    assert "nheads (5) does not divide over the head group's U=2" in got[0]["message"]
+    assert all(g["after"] == (1, 4, 6, 8) for g in got)  # the groups still carry a call
+
+
+def test_one_bad_rank_stops_every_rank_of_both_groups(pool4):
+    got = pool4.run(hw.refusal, dict(U=2, R=2, h=4, hkv=2, bad="dtype", bad_rank=1))
+    assert {g["type"] for g in got} == {"ValueError"}, got
+    assert all("must share a dtype" in g["message"] for g in got), got
+    assert all(g["after"] == (1, 4, 6, 8) for g in got)
+
+
+def test_six_ranks_refuse_heads_that_do_not_divide(pool6):
+    got = pool6.run(hw.refusal, dict(U=3, R=2, h=8, hkv=2, bad="heads"))
+    assert {g["type"] for g in got} == {"ValueError"} and len({g["message"] for g in got}) == 1, got
+
+
+def test_shard_unshard_roundtrip(pool4, pool6):
+    assert all(pool4.run(hw.roundtrip, [(2, 2), (4, 1), (1, 4)]))
+    assert all(pool6.run(hw.roundtrip, [(2, 3), (3, 2)]))
+
+
+def test_rings_whose_ranks_hold_other_heads_are_refused(pool4):
+    got = pool4.run(hw.crossed_groups)
+    assert {g["type"] for g in got} == {"ValueError"}, got
+    assert all("head group (rank, size)" in g["message"] for g in got), got
+
+
+def test_a_dead_rank_surfaces_as_the_rings_faults(tmp_path):
+    """Rank 3 of a 2 x 2 grid exits before the call: every survivor raises the ring's RuntimeError (the
+    phase and the rank it waited for) within a few timeouts, none hangs."""
+    got = run_ranks(hw.dead_rank, 4, tmp_path, 3, 2.0, may_exit=(3,), hard_exit=True, pg_timeout=30, timeout=120)
+    for rank, g in enumerate(got[:3]):
+        assert not g["returned"] and g["type"] == "RuntimeError", (rank, g)
+        assert g["message"].startswith("ring_attention: agreement step 0: waiting for rank"), (rank, g)
+        assert g["elapsed"] < 12, (rank, g)
