@@ -120,3 +120,43 @@ def test_a_dead_rank_surfaces_as_the_rings_faults(tmp_path):
         assert not g["returned"] and g["type"] == "RuntimeError", (rank, g)
         assert g["message"].startswith("ring_attention: agreement step 0: waiting for rank"), (rank, g)
         assert g["elapsed"] < 12, (rank, g)
+
+
+def _cost_model():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "head_parallel_cost.py"
+    spec = importlib.util.spec_from_file_location("head_parallel_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cost_model_formulas():
+    """benchmarks/head_parallel_cost.py: free links give efficiency 1; at the crossover length a flat ring's
+    forward step computes exactly as long as its transfer takes; more nodes never help a network-bound
+    flat ring's efficiency."""
+    m = _cost_model()
+    rates = (635e12, 509e12)
+    free = m.Link(0.0, float("inf"))
+    for shape in (m.Shape(8192), m.Shape(4096, 8)):
+        fwd, bwd = m.compute_s(shape, 16, rates)
+        assert m.ring_pass_s(fwd, 16, free, shape.kv_bytes()) == pytest.approx(fwd)
+    link = m.Link(0.0, 50e9)
+    shape = m.Shape(round(m.crossover_tokens(32, rates, link)))  # the forward's bound here (635 / 509 > 2.4 / 2)
+    assert m.compute_s(shape, 8, rates)[0] / 8 == pytest.approx(link.seconds(shape.kv_bytes()), rel=1e-3)
+    effs = [m.flat_ring(m.Shape(8192), nodes, rates) for nodes in (2, 4, 8)]
+    assert effs == sorted(effs, reverse=True) and all(e < 0.5 for e in effs)
+
+
+def test_cost_model_doc_holds_the_table():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "head_parallel_cost.py"
+    proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
