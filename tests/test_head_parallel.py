@@ -160,3 +160,33 @@ def test_cost_model_doc_holds_the_table():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "head_parallel_cost.py"
     proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_hybrid_benchmark_plans_records_and_plots(tmp_path, monkeypatch):
+    """benchmarks/ring.py --hybrid without a GPU: its grids, its records (ring.py's fields, which
+    report.py lists as a ring section) and its plot."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    import ring_hybrid as rh
+
+    assert rh.grids(4) == [(2, 2), (1, 4), (4, 1)] and rh.grids(8) == [(2, 4), (1, 8), (8, 1)]
+    records: list[dict] = []
+    for (u, r), ms in (((2, 2), 10.0), ((1, 4), 9.0), ((4, 1), 12.0)):
+        rh.record(records, 4, f"ringlse-triton {u}x{r}", 32768, 1, 32, 128, ms, 30.0, grid=[u, r])
+    rh.record(records, 4, "torch-cp", 32768, 1, 32, 128, 11.0, 28.0, rotate="alltoall", per_rotate={})
+    rh.record(records, 4, "ringlse-triton 2x2", 32768, 1, 32, 128, None, None, grid=[2, 2], error="RuntimeError: x")
+    rh.with_ratios(records)
+    assert records[0]["efficiency"] == pytest.approx(30.0 / 40.0)
+    assert records[0]["time_ratio_to_torch_cp"] == pytest.approx(10.0 / 11.0)
+    rh.plot(records, tmp_path / "ring_hybrid.png", 4, "NVIDIA H100 80GB HBM3")
+    assert (tmp_path / "ring_hybrid.png").stat().st_size > 0
+    env = dict(gpu="NVIDIA H100 80GB HBM3", gpus=4, torch="2.13", triton="3.6", command="torchrun", date="")
+    (tmp_path / "ring_hybrid-4xH100-80GB-HBM3.json").write_text(json.dumps(dict(environment=env, records=records)))
+    proc = subprocess.run([sys.executable, str(bench / "report.py"), "--results", str(tmp_path), "--stdout",
+                           "--readme", ""], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "| ringlse-triton 2x2 | 32768 |" in proc.stdout, proc.stdout + proc.stderr
