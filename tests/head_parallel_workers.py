@@ -44,14 +44,20 @@ def match_oracle(rank, world, case: dict) -> list[str]:
     local = [ringlse.shard(t, layout, **part) for t in (q, k, v, dout)]
     leaves = [t.requires_grad_() for t in local[:3]]
     s_leaf = sinks.clone().requires_grad_() if sinks is not None else None
-    out, lse = ringlse.ring_attention(*leaves, causal=causal, layout=layout, window_size=window, cu_seqlens=docs,
-                                      backend=case.get("backend", "torch"), return_lse=True, sinks=s_leaf, **part)
-    assert out.shape == local[0].shape and lse.shape == (q.shape[0], h, s // world), (out.shape, lse.shape)
-    ((out * local[3]).sum() + (lse.nan_to_num(neginf=0.0) * ringlse.shard(dlse, layout, dim=2, **part)).sum()
-     ).backward()
-    ours = [ringlse.unshard(t.detach(), layout, dim=dim, **part)
-            for t, dim in ((out, 1), (lse, 2), (leaves[0].grad, 1), (leaves[1].grad, 1), (leaves[2].grad, 1))]
-    names = list(RESULT_NAMES)
+    with_lse = case.get("return_lse", True)  # without it only out is differentiated (and the sinks need the lse)
+    got = ringlse.ring_attention(*leaves, causal=causal, layout=layout, window_size=window, cu_seqlens=docs,
+                                 backend=case.get("backend", "torch"), return_lse=with_lse, sinks=s_leaf, **part)
+    out, lse = got if with_lse else (got, None)
+    loss = (out * local[3]).sum()
+    if with_lse:
+        assert lse.shape == (q.shape[0], h, s // world), lse.shape
+        loss = loss + (lse.nan_to_num(neginf=0.0) * ringlse.shard(dlse, layout, dim=2, **part)).sum()
+    assert out.shape == local[0].shape, out.shape
+    loss.backward()
+    pairs = ((out, 1), (lse, 2), (leaves[0].grad, 1), (leaves[1].grad, 1), (leaves[2].grad, 1))
+    ours = [ringlse.unshard(t.detach(), layout, dim=dim, **part) for t, dim in pairs if t is not None]
+    names = [n for n in RESULT_NAMES if with_lse or n != "lse"]
+    dlse = dlse if with_lse else torch.zeros_like(dlse)
     if sinks is not None:
         d_sinks = s_leaf.grad.clone()
         dist.all_reduce(d_sinks)  # each rank's part is its own rows' (as the plain ring's)
@@ -65,7 +71,8 @@ def match_oracle(rank, world, case: dict) -> list[str]:
                          sinks=ref_leaves[3] if sinks is not None else None)
     ((r_out * dout).sum() + (r_lse.nan_to_num(neginf=0.0) * dlse).sum()).backward()
     failures = []
-    for name, a, b in zip(names, ours, [r_out, r_lse, *(t.grad for t in ref_leaves)]):
+    refs = [r_out, *([r_lse] if with_lse else []), *(t.grad for t in ref_leaves)]
+    for name, a, b in zip(names, ours, refs):
         try:
             torch.testing.assert_close(a, b.detach())
         except AssertionError as e:

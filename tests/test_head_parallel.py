@@ -47,7 +47,8 @@ def test_heads_that_do_not_divide_are_refused_by_name():
 
 
 CASES4 = [
-    pytest.param(dict(U=2, R=2, s=32, h=4, hkv=2, layout="zigzag", causal=True, seed=1), id="2x2-causal-zigzag-gqa4/2"),
+    pytest.param(dict(U=2, R=2, s=32, h=4, hkv=2, layout="zigzag", causal=True, b=2, seed=1),
+                 id="2x2-causal-zigzag-gqa4/2-batch2"),
     pytest.param(dict(U=4, R=1, s=32, h=8, hkv=2, layout="contiguous", causal=True, seed=2),
                  id="4x1-causal-gqa8/2-kv-repeated"),
     pytest.param(dict(U=1, R=4, s=32, h=8, hkv=2, layout="zigzag", causal=True, seed=3), id="1x4-causal-zigzag"),
@@ -70,9 +71,11 @@ def test_four_ranks_match_the_oracle(pool4, case):
 CASES6 = [
     pytest.param(dict(U=2, R=3, s=48, h=8, hkv=2, layout="zigzag", causal=True, seed=11), id="2x3-causal-zigzag"),
     pytest.param(dict(U=3, R=2, s=48, h=6, hkv=2, layout="stripe", causal=True, docs=[0, 13, 30, 48], sinks=True,
-                      seed=12), id="3x2-documents-sinks-gqa6/2"),
+                      b=2, seed=12), id="3x2-documents-sinks-gqa6/2-batch2"),
     pytest.param(dict(U=3, R=2, s=48, h=6, hkv=1, layout="contiguous", causal=True, window=(6, 0), seed=13),
                  id="3x2-window-gqa6/1"),
+    pytest.param(dict(U=2, R=3, s=48, h=4, hkv=4, layout="zigzag", causal=True, sinks=True, return_lse=False,
+                      seed=14), id="2x3-sinks-out-only"),
 ]
 
 
