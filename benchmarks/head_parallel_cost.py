@@ -110,7 +110,8 @@ def hybrid(shape: Shape, nodes: int, rates, heads_ranks: int = 8) -> float:
 
 def crossover_tokens(kv_heads: int, rates, link: Link = NETWORK, heads: int = 32) -> float:
     """Tokens per ring rank from which a ring step's compute hides its transfer (alpha left out), forward
-    and backward alike: 2·h·t²·d / F_fwd >= 4·t·h_kv·d / beta and 5·h·t²·d / F_bwd >= 12·t·h_kv·d / beta."""
+    and backward alike: 2·h·t²·d / F_fwd >= 4·t·h_kv·d / beta and 5·h·t²·d / F_bwd >= 12·t·h_kv·d / beta
+    (bytes: bf16 K/V forward, plus float32 dk/dv backward)."""
     fwd, bwd = rates
     return max(2 * kv_heads * fwd, 2.4 * kv_heads * bwd) / (heads * link.beta_bytes_per_s)
 

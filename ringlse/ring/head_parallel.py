@@ -95,14 +95,14 @@ def _scatter_inputs(q: Tensor, k: Tensor, v: Tensor, split: HeadSplit) -> Tensor
     if not split.kv_split_as_is:  # K/V heads repeated or selected per rank; autograd sums their gradients
         index = torch.tensor(split.kv_heads, device=k.device)
         k, v = k.index_select(2, index), v.index_select(2, index)
-    return torch.cat([t.reshape(b, n, size, -1) for t in (q, k, v)], dim=3).movedim(2, 0)
+    return torch.cat([t.reshape(b, n, size, -1).movedim(2, 0) for t in (q, k, v)], dim=3)  # one copy, contiguous
 
 
 def _gather_inputs(packed: Tensor, q: Tensor, v: Tensor, split: HeadSplit) -> tuple[Tensor, Tensor, Tensor]:
     """The exchanged `[U, b, n, C]` (slot i: rank i's tokens) as q, k, v `[b, U·n, h/U | m, d]`."""
     size, b, n, _ = packed.shape
     hu, m, d, dv = split.heads_per_rank, split.kv_per_rank, q.shape[3], v.shape[3]
-    whole = packed.movedim(0, 1).reshape(b, size * n, -1)
+    whole = packed.movedim(0, 1).reshape(b, size * n, -1)  # a view for batch 1, else one copy
     q2, k2, v2 = whole.split([hu * d, m * d, m * dv], dim=2)
     return q2.reshape(b, size * n, hu, d), k2.reshape(b, size * n, m, d), v2.reshape(b, size * n, m, dv)
 
