@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=4 benchmarks/ring.py [--seqlens 32768 131072] [--backends triton sdpa] [--quick]
     torchrun --nproc_per_node=4 benchmarks/ring.py --documents    # packed documents, every layout
+    torchrun --nproc_per_node=4 benchmarks/ring.py --hybrid --budget-s 0.25   # head parallelism x ring
 
 For every shape (batch 1 x 32 heads x head dim 128, bf16; total S; causal or not; forward or
 forward+backward; MHA and GQA 32/8) it times, on all ranks at once (median of CUDA-event timings, max over
@@ -12,6 +13,7 @@ ranks):
 Efficiency = T(full sequence, one GPU, same block op) / (W * T(ring)). Rank 0 shows progress, writes
 `benchmarks/results/ring-<W>x<gpu>.json` and a PNG of efficiency and TFLOP/s per GPU versus S.
 `--documents` runs `ring_documents.py` instead (its own shape and file, `ring_documents-<W>x<gpu>.json`).
+`--hybrid`: head parallelism x ring grids instead (`benchmarks/ring_hybrid.py`), `ring_hybrid-<W>x<gpu>.json`.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--documents", action="store_true", help="packed documents in every layout, 8K tokens per GPU, "
                    "GQA 64/8 (benchmarks/ring_documents.py; its own result file)")
     p.add_argument("--budget-s", type=float, default=1.5, help="target seconds of timed runs per measurement")
+    p.add_argument("--hybrid", action="store_true", help="head parallelism x ring (U x R grids, causal fwd+bwd; "
+                   "benchmarks/ring_hybrid.py) next to the plain ring and context parallel")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     return p.parse_args()
 
@@ -118,21 +122,27 @@ def rand(*shape, device):
 
 def bench_ringlse(backend, b, h, hkv, s, d, causal, mode, world, device, budget, mask=None):
     """(ring ms, one GPU ms) of `backend`; `mask`: `window_size` / `cu_seqlens` (global) for both."""
-    mask = mask or {}
-    n = s // world
+    ring_ms = bench_ring_call(backend, b, h, hkv, s // world, d, causal, mode, device, budget, mask or {})
+    return ring_ms, bench_single(backend, b, h, hkv, s, d, causal, mode, device, budget, mask)
+
+
+def bench_ring_call(backend, b, h, hkv, n, d, causal, mode, device, budget, kwargs: dict) -> float:
+    """ms of `ring_attention` on `n` local tokens per rank, with `kwargs` (mask, groups) for the call."""
     q, dout = rand(b, n, h, d, device=device), rand(b, n, h, d, device=device)
     k, v = rand(b, n, hkv, d, device=device), rand(b, n, hkv, d, device=device)
-    ring = make_step(lambda q_, k_, v_: ringlse.ring_attention(q_, k_, v_, causal=causal, backend=backend, **mask),
+    ring = make_step(lambda q_, k_, v_: ringlse.ring_attention(q_, k_, v_, causal=causal, backend=backend, **kwargs),
                      q, k, v, dout, mode)
-    ring_ms = timed_ms(ring, budget)
-    del q, k, v, dout
+    return timed_ms(ring, budget)
+
+
+def bench_single(backend, b, h, hkv, s, d, causal, mode, device, budget, mask=None) -> float:
+    """ms of `backend` on the full sequence on one GPU (every rank times its own), with the ring's mask."""
     qf, doutf = rand(b, s, h, d, device=device), rand(b, s, h, d, device=device)
     kf, vf = rand(b, s, hkv, d, device=device), rand(b, s, hkv, d, device=device)
-    full_mask = {k_: v_ for k_, v_ in mask.items() if k_ != "layout"}
+    full_mask = {k_: v_ for k_, v_ in (mask or {}).items() if k_ != "layout"}
     single = make_step(lambda q_, k_, v_: ringlse.attention(q_, k_, v_, causal=causal, backend=backend, **full_mask),
                        qf, kf, vf, doutf, mode)
-    single_ms = timed_ms(single, budget)
-    return ring_ms, single_ms
+    return timed_ms(single, budget)
 
 
 def sdpa_bhsd(causal, gqa):
@@ -228,6 +238,10 @@ def main() -> int:
         dist.barrier()
         dist.destroy_process_group()
         return 0
+    if args.hybrid:
+        from ring_hybrid import run_hybrid
+
+        return run_hybrid(args, rank, world, device)
     backends = args.backends or [b for b in ("triton", "sdpa", "flash") if b in ringlse.available_backends(device)]
     b, h, d = 1, args.heads, args.head_dim
     shapes = []

@@ -64,7 +64,7 @@ _LIB = torch.library.Library("ringlse", "DEF")
 _ATTEND_OPTIONS = ("Tensor? cu_seqlens, Tensor? cu_seqlens_q, bool causal, float? softmax_scale, int? q_start, "
                    "int k_start, int[] window, int? chunk_size, str backend, float softcap, str what, str error")
 _RING_OPTIONS = ("Tensor? cu_seqlens, bool causal, float? softmax_scale, str group, str layout, bool return_lse, "
-                 "int[] window, str backend, float? timeout, bool agree, float softcap, str error")
+                 "int[] window, str backend, float? timeout, bool agree, float softcap, str error, int[] head_split")
 _QKV = "Tensor q, Tensor k, Tensor v"
 _GRADS_IN = "Tensor? g_out, Tensor? g_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse"
 
@@ -144,7 +144,7 @@ def _ring_plan(q: Tensor, k: Tensor, v: Tensor, args: tuple, agree: bool):
                      layout=spec.layout, return_lse=spec.return_lse, window_size=spec.window_size,
                      cu_seqlens=spec.cu_seqlens, backend=backend_from_name(spec.backend), timeout=spec.timeout,
                      agree=agree and spec.agree, local_error=error_message(spec.error) or None,
-                     softcap=spec.softcap)
+                     softcap=spec.softcap, head_split=spec.head_split)
     return _remember(_key("ring", (q, k, v), args), plan)
 
 

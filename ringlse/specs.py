@@ -207,6 +207,9 @@ class RingSpec:
     agree: bool = True
     softcap: float = 0.0
     error: str = ""
+    # (this rank's rank in the head group, its size) for a head-parallel call, compared by the ranks'
+    # agreement (`ringlse.ring.head_parallel`); (0, 1) without a head group
+    head_split: tuple[int, int] = (0, 1)
 
     @classmethod
     def make(cls, *, causal, softmax_scale, group, layout, return_lse, window_size, cu_seqlens, backend, timeout,
@@ -244,11 +247,12 @@ class RingSpec:
     def op_args(self) -> tuple:
         """The custom op's arguments after q, k, v (`ringlse.ops`), in its schema's order."""
         return (self.cu_seqlens, self.causal, self.softmax_scale, self.group, self.layout or "", self.return_lse,
-                list(self.window_size), self.backend, self.timeout, self.agree, self.softcap, self.error)
+                list(self.window_size), self.backend, self.timeout, self.agree, self.softcap, self.error,
+                list(self.head_split))
 
     @classmethod
     def from_op_args(cls, cu_seqlens, causal, softmax_scale, group, layout, return_lse, window, backend, timeout,
-                     agree, softcap, error) -> RingSpec:
+                     agree, softcap, error, head_split) -> RingSpec:
         """The spec back from the op's arguments (`op_args`' order: one parameter per op argument)."""
         return cls(causal, softmax_scale, group, layout or None, return_lse, tuple(window), cu_seqlens, backend,
-                   timeout, agree, softcap, error)
+                   timeout, agree, softcap, error, tuple(head_split))

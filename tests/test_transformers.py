@@ -44,6 +44,18 @@ def test_llama_ring_equals_whole_model(world, tmp_path):
                 assert r["frames"] == 1, f"{where}: {r['frames']} graphs (a graph break)"
 
 
+def test_llama_head_parallel_ring_equals_whole_model(tmp_path):
+    """`ring(head_group=)` and `prepare_batch(head_group=)`: 4 ranks as 2 head-group ranks x a ring of 2
+    (the tiny Llama's 4 query / 2 K/V heads split over U = 2), equal to the whole model."""
+    seqlen = 44  # zigzag over R = 2 (a multiple of 4), ring parts of 22 cut into pieces of 11
+    cases = [dict(layout="zigzag", seqlen=seqlen, docs=_docs(seqlen), compiled=False, grid=(2, 2)),
+             dict(layout="stripe", seqlen=seqlen, docs=None, compiled=False, grid=(2, 2))]
+    per_rank = run_ranks(tw.llama_rings, 4, tmp_path, cases, timeout=400)
+    for rank, results in enumerate(per_rank):
+        for case, r in zip(cases, results):
+            assert r["logits"] <= EXACT and r["grads"] <= EXACT, f"rank {rank} {case}: {r}"
+
+
 def test_gemma2_softcap_ring_equals_whole_model(tmp_path):
     """Gemma 2's logit softcapping (and its sliding window) through the ring, against the whole model on
     transformers' eager attention (sdpa refuses softcap; eager's softmax rounds to float32)."""

@@ -84,11 +84,12 @@ def llama_rings(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
 
 def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] | None, compiled: bool,
-               arch: str = "llama") -> dict:
+               arch: str = "llama", grid: tuple[int, int] | None = None) -> dict:
     """Max abs differences, ring vs whole (transformers' sdpa: exact in float64; eager rounds its
     softmax to float32), of logits and of parameter gradients summed over the ranks. `arch`: a key of
     `ARCHS` (`gemma2`: softcapping, which transformers' sdpa refuses: both references are its eager;
-    `deepseek_v3`: a V head dim other than Q/K's)."""
+    `deepseek_v3`: a V head dim other than Q/K's). `grid=(U, R)`: head parallelism x ring over the groups
+    of `head_parallel_workers.grid`."""
     import torch.distributed as dist
     import torch._dynamo
     import torch._dynamo.testing
@@ -104,20 +105,25 @@ def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] 
     eager_logits, _ = whole_model(model, ids, pos, docs, "eager")
 
     model.config._attn_implementation = "ringlse"
-    batch = rt.prepare_batch(ids, position_ids=pos, layout=layout)
+    groups = {}
+    if grid is not None:
+        from head_parallel_workers import grid as make_grid
+
+        groups = dict(zip(("group", "head_group"), make_grid(*grid)))
+    batch = rt.prepare_batch(ids, position_ids=pos, layout=layout, **groups)
     forward = model
     frames = None
     if compiled:
         counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
         forward = torch.compile(model, backend=counter, fullgraph=True)
-    with rt.ring(layout=layout, cu_seqlens=batch.cu_seqlens):
+    with rt.ring(layout=layout, cu_seqlens=batch.cu_seqlens, **groups):
         logits = forward(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
     grads = torch.autograd.grad(rt.ring_loss(logits, batch), list(model.parameters()))
     if compiled:
         frames = counter.frame_count
     for g in grads:
         dist.all_reduce(g)
-    full = ringlse.unshard(logits.detach(), layout, cu_seqlens=batch.cu_seqlens)
+    full = ringlse.unshard(logits.detach(), layout, cu_seqlens=batch.cu_seqlens, **groups)
     return {
         "logits": (full - ref_logits).abs().max().item(),
         "logits_vs_eager": (full - eager_logits).abs().max().item(),

@@ -60,6 +60,7 @@ class _Ring:
     # documents reuse the graph (a tuple would be a constant, one recompilation per batch)
     cu_seqlens: torch.Tensor | None
     backend: str
+    head_group: dist.ProcessGroup | None = None
 
 
 # The `ring()` contexts entered and not yet left, innermost last: read by the attention function at
@@ -69,7 +70,8 @@ _ACTIVE: list[_Ring] = []
 
 @contextmanager
 def ring(group: dist.ProcessGroup | None = None, layout: str | None = None,
-         cu_seqlens: Sequence[int] | None = None, backend: str = "auto") -> Iterator[None]:
+         cu_seqlens: Sequence[int] | None = None, backend: str = "auto",
+         head_group: dist.ProcessGroup | None = None) -> Iterator[None]:
     """Inside, every "ringlse" attention call runs `ring_attention` over `group` on this rank's shard.
 
     Args:
@@ -78,9 +80,12 @@ def ring(group: dist.ProcessGroup | None = None, layout: str | None = None,
         cu_seqlens: document boundaries over the global sequence (`RingBatch.cu_seqlens`), or None
             (one document; `balanced` needs them).
         backend: the block op, as in `ring_attention`.
+        head_group: head parallelism x ring, as in `ring_attention` (the batch sharded by
+            `prepare_batch(..., head_group=)`); eager (its all-to-all is not one custom op, as the
+            ring is: torch.compile is untested with it).
     """
     bounds = None if cu_seqlens is None else torch.as_tensor(cu_seqlens, dtype=torch.int64, device="cpu")
-    entry = _Ring(group, group_name(group), layout or default_layout(True), bounds, backend)
+    entry = _Ring(group, group_name(group), layout or default_layout(True), bounds, backend, head_group)
     _ACTIVE.append(entry)
     try:
         yield
@@ -235,7 +240,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                          "got no cu_seqlens: pass prepare_batch(...).cu_seqlens")
     out = ring_attention(q, k, v, causal=causal, softmax_scale=scaling, group=r.group_name, layout=r.layout,
                          window_size=window, cu_seqlens=r.cu_seqlens, backend=r.backend, sinks=sinks,
-                         softcap=softcap)
+                         softcap=softcap, head_group=r.head_group)
     return out, None
 
 
@@ -346,7 +351,8 @@ def whole_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None,
 
 def prepare_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                   position_ids: torch.Tensor | None = None, *, group: dist.ProcessGroup | None = None,
-                  layout: str | None = None, ignore_index: int = -100) -> RingBatch:
+                  layout: str | None = None, ignore_index: int = -100,
+                  head_group: dist.ProcessGroup | None = None) -> RingBatch:
     """Shift, then shard, a global batch for the ring (every rank passes the same global tensors).
 
     Labels are shifted *before* sharding (token t's label is token t + 1, which may sit on another
@@ -357,6 +363,8 @@ def prepare_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None,
             `layout` needs over the group's W ranks).
         group, layout: the ring's (default layout: zigzag; `balanced` places tokens by the documents
             of `position_ids`, CONVENTIONS.md §5).
+        head_group: head parallelism x ring: each ring part is cut into the head group's U pieces
+            (`ringlse.shard(..., head_group=)`), so this rank's tensors are `[b, S / (W·U)]`.
 
     Returns:
         A `RingBatch` with this rank's `input_ids`, `labels`, `position_ids` (`[b, S / W]`), the global
@@ -368,7 +376,7 @@ def prepare_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None,
     docs = whole.cu_seqlens
     if layout == BALANCED and docs is None:
         docs = (0, input_ids.shape[1])
-    part = lambda t: shard(t, layout, dim=1, group=group, cu_seqlens=docs)
+    part = lambda t: shard(t, layout, dim=1, group=group, cu_seqlens=docs, head_group=head_group)
     return RingBatch(part(whole.input_ids), part(whole.labels), part(whole.position_ids), docs,
                      whole.num_tokens, ignore_index)
 

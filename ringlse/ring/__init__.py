@@ -3,6 +3,9 @@
 | module         | what                                                                       |
 | -------------- | -------------------------------------------------------------------------- |
 | `api`          | `ring_attention`: the options into a `RingSpec`, then `ringlse.ops`        |
+| `head_parallel`| `head_group=`: all-to-all of heads around the ring (CONVENTIONS §5.1)     |
+| `head_split`   | how a head group splits a ring part's positions and heads                  |
+| `all_to_all`   | the differentiable all-to-all of the head group                            |
 | `entry`        | `ring_plan`: checks, the agreement, the plan of a call                     |
 | `forward`      | the forward loop                                                           |
 | `backward`     | the backward loop and how a step's gradients are cut into pieces           |

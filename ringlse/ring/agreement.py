@@ -56,35 +56,39 @@ class AgreementRow:
     doc_digest: int  # a 56-bit digest of them (the row holds int64)
     softcap: int = 0  # softcap * 2**30, rounded (0: off)
     v_head_dim: int = 0  # V's head dim (K's is the last of `kv_shape`; they may differ: MLA)
+    # (rank in the head group, its size) of a head-parallel call (`ringlse.ring.head_parallel`): the ranks
+    # of one ring must hold the same heads; (0, 1) without a head group
+    head_split: tuple[int, int] = (0, 1)
 
     NAMES = ("q shape", "k/v shape", "dtype", "causal", "layout", "softmax_scale", "return_lse", "K/V transport",
-             "window_size", "documents", "softcap", "V head dim")
+             "window_size", "documents", "softcap", "V head dim", "head group (rank, size)")
 
     @classmethod
     def of_call(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, scale: float,
-                return_lse: bool, copy_engines: bool, rule: Rule, softcap: float = 0.0) -> AgreementRow:
+                return_lse: bool, copy_engines: bool, rule: Rule, softcap: float = 0.0,
+                head_split: tuple[int, int] = (0, 1)) -> AgreementRow:
         """The row of a call whose inputs this rank found valid."""
         docs = rule.docs or ()
         digest = hashlib.blake2b(repr(docs).encode(), digest_size=7).digest()
         return cls(tuple(q.shape), tuple(k.shape), SUPPORTED_DTYPES.index(q.dtype), causal is True,
                    LAYOUT_NAMES.index(layout), round(scale * 2**30), return_lse is True, copy_engines, tuple(rule.window),
-                   len(docs), int.from_bytes(digest, "little"), round(softcap * 2**30), v.shape[-1])
+                   len(docs), int.from_bytes(digest, "little"), round(softcap * 2**30), v.shape[-1], tuple(head_split))
 
     @classmethod
     def invalid(cls) -> AgreementRow:
         """The row of a rank that found its own inputs invalid."""
-        return cls((-1,) * 4, (-1,) * 4, -1, False, -1, 0, False, False, (-2, -2), -1, 0, 0, -1)
+        return cls((-1,) * 4, (-1,) * 4, -1, False, -1, 0, False, False, (-2, -2), -1, 0, 0, -1, (-1, -1))
 
     def to_row(self) -> list[int]:
         return [*self.q_shape, *self.kv_shape, self.dtype, int(self.causal), self.layout, self.scale,
                 int(self.return_lse), int(self.copy_engines), *self.window, self.doc_count, self.doc_digest,
-                self.softcap, self.v_head_dim]
+                self.softcap, self.v_head_dim, *self.head_split]
 
     @classmethod
     def from_row(cls, row: Sequence[int]) -> AgreementRow:
         r = [int(x) for x in row]
         return cls(tuple(r[0:4]), tuple(r[4:8]), r[8], bool(r[9]), r[10], r[11], bool(r[12]), bool(r[13]),
-                   (r[14], r[15]), r[16], r[17], r[18], r[19])
+                   (r[14], r[15]), r[16], r[17], r[18], r[19], (r[20], r[21]))
 
     def describe(self) -> dict[str, str]:
         """The row as named fields, for a disagreement's message."""
@@ -95,7 +99,7 @@ class AgreementRow:
         docs = "none" if self.doc_count == 0 else f"{self.doc_count} boundaries (digest {self.doc_digest:014x})"
         values = (self.q_shape, self.kv_shape, dtype, self.causal, layout, f"{self.scale / 2**30:.6g}",
                   self.return_lse, "copy engines" if self.copy_engines else "point-to-point", self.window, docs,
-                  f"{self.softcap / 2**30:.6g}", self.v_head_dim)
+                  f"{self.softcap / 2**30:.6g}", self.v_head_dim, self.head_split)
         return {name: str(value) for name, value in zip(self.NAMES, values)}
 
 

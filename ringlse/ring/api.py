@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ringlse import ops
 from ringlse.blocks.contract import BlockOp
+from ringlse.ring.head_parallel import head_parallel_ring
 from ringlse.sinks import check_sinks
 from ringlse.specs import RingSpec
 
@@ -31,6 +32,7 @@ def ring_attention(
     timeout: datetime.timedelta | float | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    head_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention over a sequence sharded across the ranks of `group`.
 
@@ -62,10 +64,18 @@ def ring_attention(
             transfer (`Work.wait(timeout)`); without it the NCCL watchdog enforces the group's.
         softcap: 0 (off) or `s > 0`: scores capped to `s * tanh(scale * q.k / s)` before the softmax
             (`torch` and `triton` backends; the ranks must agree on it).
+        head_group: head parallelism x ring (None: the ring alone). The U ranks of `head_group` hold
+            one ring part of `group`'s ring, each a contiguous piece of it (`ringlse.shard(...,
+            head_group=)`, CONVENTIONS.md §5.1): q/k/v are then this rank's `n = S / (R·U)` tokens of
+            every head. An all-to-all over `head_group` gives each rank the ring part for `h/U` heads
+            (K/V heads split alike where they divide over U, else each rank gets those its query heads
+            read), the ring runs over `group` on them, and an all-to-all brings out and lse back. Every
+            rank of `group` must hold the same head-group rank, every rank of `head_group` the same ring
+            rank. `nheads % U != 0` raises ValueError on every rank of both groups before anything moves.
 
     Returns:
-        This rank's `out` `[batch, n, nheads, headdim_v]` (q's dtype), or `(out, lse)`. Differentiable:
-        autograd returns exact `dq`, `dk`, `dv` for the local shards.
+        This rank's `out` `[batch, n, nheads, headdim_v]` (q's dtype), or `(out, lse)` (lse
+        `[batch, nheads, n]`). Differentiable: autograd returns exact `dq`, `dk`, `dv` for the local shards.
 
     Raises:
         ValueError: on every rank, before any K/V moves, when a rank's inputs are invalid (shapes,
@@ -82,5 +92,8 @@ def ring_attention(
     if problem is not None:  # raised on every rank together, through the agreement
         spec = spec.with_problem(problem)
         sinks = None
-    out, lse = ops.ring(q, k, v, spec, sinks)
+    if head_group is not None:
+        out, lse = head_parallel_ring(q, k, v, spec, sinks, head_group)
+    else:
+        out, lse = ops.ring(q, k, v, spec, sinks)
     return (out, lse) if return_lse else out

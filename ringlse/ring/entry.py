@@ -62,6 +62,18 @@ class RingPlan:
             return ring_backward(self.call, GradInputs(dout, q, out, lse, delta, lse_grad), k, v)
 
 
+def check_local(q: torch.Tensor, k: torch.Tensor, comm: RingComm) -> None:
+    """ValueError unless q and k/v hold the same positions and live on the device kind of `comm`'s
+    group (what a ring, and a head group's all-to-all, need of each rank's tensors)."""
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"ring_attention: local q and k/v lengths differ ({q.shape[1]} vs {k.shape[1]}); "
+                         "each rank must hold the same positions of q, k and v")
+    if comm.backend == "nccl" and q.device.type != "cuda":
+        raise ValueError(f"ring_attention: the NCCL group needs CUDA tensors, got {q.device}")
+    if comm.backend == "gloo" and q.device.type != "cpu":
+        raise ValueError(f"ring_attention: the gloo group needs CPU tensors, got {q.device}")
+
+
 def _local_rule(q, k, v, layout: str, causal, window_size, cu_seqlens, return_lse, comm: RingComm
                 ) -> tuple[Rule | None, Layout | None, str | None]:
     """Everything a rank can check alone, the visibility rule and the layout with what it needs to
@@ -73,21 +85,15 @@ def _local_rule(q, k, v, layout: str, causal, window_size, cu_seqlens, return_ls
         check_flag(return_lse, "return_lse", "ring_attention")
         window = check_window(window_size, "ring_attention")
         docs = check_docs(cu_seqlens, q.shape[1] * comm.world, "ring_attention")
-        if q.shape[1] != k.shape[1]:
-            raise ValueError(f"ring_attention: local q and k/v lengths differ ({q.shape[1]} vs {k.shape[1]}); "
-                             "each rank must hold the same positions of q, k and v")
+        check_local(q, k, comm)
         placed = layout_of(layout, docs, q.shape[1] * comm.world, "ring_attention")
         check_layout(placed, q.shape[1] * comm.world, comm.world)
-        if comm.backend == "nccl" and q.device.type != "cuda":
-            raise ValueError(f"ring_attention: the NCCL group needs CUDA tensors, got {q.device}")
-        if comm.backend == "gloo" and q.device.type != "cpu":
-            raise ValueError(f"ring_attention: the gloo group needs CPU tensors, got {q.device}")
     except (ValueError, TypeError) as e:
         return None, None, str(e)
     return Rule(causal, window, docs), placed, None
 
 
-def _check_timeout(timeout) -> datetime.timedelta | None:
+def check_timeout(timeout) -> datetime.timedelta | None:
     """`timeout` as a positive `timedelta` (None stays None: the group's); ValueError otherwise."""
     if timeout is None:
         return None
@@ -108,14 +114,15 @@ def _check_timeout(timeout) -> datetime.timedelta | None:
 
 def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, softmax_scale, group, layout,
               return_lse, window_size, cu_seqlens, backend, timeout, agree: bool = True,
-              local_error: str | None = None, softcap: float = 0.0) -> RingPlan:
+              local_error: str | None = None, softcap: float = 0.0, head_split: tuple[int, int] = (0, 1)) -> RingPlan:
     """The `AttentionPlan` of one `ring_attention` call (arguments as there), after every check.
 
     With `agree` (the forward), every rank compares its inputs with the others' (`ValueError` on
     every rank on a mismatch, before any K/V moves); `local_error` is a problem found with this rank's
     options before the plan (`RingSpec.error`'s message), raised the same way. `agree=False` rebuilds the plan of a call whose forward already agreed, for a backward run
-    apart from it. Its keywords are `ring_attention`'s public options (more than ten: the call's
-    options, which `ringlse.ops` passes through from a `RingSpec`)."""
+    apart from it. `head_split`: this rank's (rank, size) in a head group (`ringlse.ring.head_parallel`),
+    which the ranks of the ring must share. Its keywords are `ring_attention`'s public options (more than
+    ten: the call's options, which `ringlse.ops` passes through from a `RingSpec`)."""
     comm = RingComm.for_group(group)
     comm.check_usable()
     layout = default_layout(causal is True) if layout is None else layout
@@ -128,7 +135,7 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
     except ValueError as e:
         transport, error = Transport.P2P, error or str(e)
     try:
-        limit = _check_timeout(timeout)
+        limit = check_timeout(timeout)
     except ValueError as e:
         limit, error = None, error or str(e)
     scale, op = None, None
@@ -143,7 +150,7 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
         except (ValueError, TypeError) as e:
             error = str(e)
     row = AgreementRow.invalid() if error is not None else AgreementRow.of_call(
-        q, k, v, causal, layout, scale, return_lse, transport is Transport.COPY_ENGINE, rule, softcap)
+        q, k, v, causal, layout, scale, return_lse, transport is Transport.COPY_ENGINE, rule, softcap, head_split)
     if agree:
         check = comm.post_agreement(row.to_row(), error, limit, describe_row)
         if error is not None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ringlse.masks import Rule, check_docs, visible_per_position
 from ringlse.ring.balance import MIN_CHUNK, assign
+from ringlse.ring.head_split import gather_head_pieces, head_piece
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")  # fixed by S and W alone
 BALANCED = "balanced"  # needs the document boundaries too (`cu_seqlens`)
@@ -143,7 +144,8 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 def shard(x: torch.Tensor, layout: Layout, dim: int = 1, group: dist.ProcessGroup | None = None, *,
-          cu_seqlens: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+          cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+          head_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's part of a full sequence held by every rank.
 
     Args:
@@ -153,9 +155,13 @@ def shard(x: torch.Tensor, layout: Layout, dim: int = 1, group: dist.ProcessGrou
         group: process group (default: the world; without torch.distributed, one rank).
         cu_seqlens: document boundaries `[0, ..., S]` over the global sequence: needed by `balanced`
             (pass `ring_attention` the same ones), ignored by the other layouts.
+        head_group: with head parallelism (`ring_attention(head_group=...)`), the U ranks that hold one
+            ring part: it is cut, in the order it holds its tokens, into U contiguous pieces, piece i
+            to head-group rank i (CONVENTIONS.md §5.1): the shard is `S / (W·U)` long; a ring part
+            that does not split into U pieces raises ValueError before any communication.
 
     Returns:
-        The local shard, length `S / W` along `dim` (a contiguous tensor).
+        The local shard, length `S / W` along `dim` (`S / (W·U)` with a head group; a contiguous tensor).
 
     Raises:
         ValueError: S does not divide over W in `layout`, or `balanced` without `cu_seqlens` (before
@@ -167,20 +173,24 @@ def shard(x: torch.Tensor, layout: Layout, dim: int = 1, group: dist.ProcessGrou
     check_layout(layout, seqlen, world)
     n = seqlen // world
     pos = local_positions(layout, rank, world, n).to(x.device)
+    pos = head_piece(pos, head_group, seqlen)
     return x.index_select(dim, pos)
 
 
 def unshard(x_local: torch.Tensor, layout: Layout, dim: int = 1, group: dist.ProcessGroup | None = None, *,
-            cu_seqlens: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+            cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+            head_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Gather every rank's shard and put the tokens back in sequence order (inverse of `shard`).
 
     Args:
         x_local: this rank's shard, length `n` along `dim` (same shape on every rank).
         layout, dim, group, cu_seqlens: as in `shard`.
+        head_group: as in `shard`; the pieces of each ring part are gathered first (`n * W * U` long).
 
     Returns:
-        The full tensor, length `n * W` along `dim`, on every rank.
+        The full tensor, length `n * W` along `dim` (`n * W * U` with a head group), on every rank.
     """
+    x_local = gather_head_pieces(x_local, dim, head_group)
     rank, world = _group_info(group)
     n = x_local.shape[dim]
     layout = layout_of(layout, cu_seqlens, n * world, "unshard")
