@@ -9,6 +9,10 @@ Python object per storage while anything, a view or a tensor saved by autograd, 
 the finalizer runs when the memory goes back, not when our handle does; tests/test_ring_memory.py
 checks this on toy cases). A storage counts once, however many views of it come out of later ops.
 
+ringlse's own ops (`ringlse::attend`, `ringlse::ring` and their backwards) would reach the mode as one
+op each, with the mode off while they run: their Python implementations are run here instead, under
+the mode, so the ops inside them count too.
+
 Not seen: memory that kernels or communication backends allocate internally without returning it
 as a tensor (scratch inside one op: the same in any two regions that run the same kernels), and the
 growth of a storage resized in place (`out=` arguments; no code measured here uses them).
@@ -30,12 +34,22 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
+        from ringlse import ops
+
+        lib = torch.ops.ringlse
+        self._impls = {lib.attend.default: ops._attend_impl, lib.attend_backward.default: ops._attend_backward_impl,
+                       lib.ring.default: ops._ring_impl, lib.ring_backward.default: ops._ring_backward_impl}
         self.live = 0
         self.peak = 0
         self._sizes: dict[int, int] = {}  # data_ptr -> nbytes of the storages counted and still alive
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        impl = self._impls.get(func)
+        if impl is None:
+            out = func(*args, **(kwargs or {}))
+        else:
+            with self:  # the op's own ops, seen one by one
+                out = impl(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):

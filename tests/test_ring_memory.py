@@ -197,6 +197,16 @@ def test_ring_adds_at_most_two_kv_blocks_and_its_accumulators(world, measured):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("world", [2], ids=lambda w: f"W{w}")
+def test_the_counter_sees_inside_the_ring(world, measured):
+    """The ring's forward holds at least one K/V block more than the single-device call (a received
+    block): were the ops inside ringlse's custom ops unseen, both would count only their outputs."""
+    for rank, results in enumerate(measured(world)):
+        for (shape_id, layout), r in zip(CASES, results):
+            added = r["ring"]["forward"] - r["single"]["forward"]
+            assert added >= kv_block_bytes(SHAPES[shape_id]), (rank, shape_id, layout, r)
+
+
 def test_live_bytes_counts_storages_once_until_freed():
     """The counter on toy cases: views and in-place ops count nothing, tensors from before the region
     count nothing, a storage counts until its last view goes, and autograd's saved tensors count
