@@ -5,14 +5,13 @@ run by `ringlse.ops`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from ringlse.blocks import get_block_op
-from ringlse.blocks.contract import BlockCall, BlockOp, GradInputs, GradTarget, Masks, StateRows
+from ringlse.blocks.contract import BlockCall, BlockOp, GradInputs, GradTarget, StateRows
 from ringlse.checks import check_qkv, check_scale, lse_dtype
-from ringlse.masks import BlockKind, Rule, Span, block_kind, check_docs, planned_intervals
+from ringlse.mask_calls import rule_calls
+from ringlse.masks import Rule, check_docs
 from ringlse.merge import PartSum
 from ringlse.specs import AttentionSpec, backend_from_name
 
@@ -48,58 +47,6 @@ class _CallPlan:
         return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
 
 
-def _plain_calls(q0: int, q1: int, k0: int, k1: int, causal: bool, q_start: int, k_start: int) -> list[BlockCall]:
-    """The block rows `[q0, q1)` x `[k0, k1)` at global `q_start`, `k_start` under plain causal (or no)
-    masking: nothing, or one call (causal only where the boundary crosses it)."""
-    kind = block_kind(q1 - q0, k1 - k0, q_start, k_start, causal)
-    if kind is BlockKind.EMPTY:
-        return []
-    partial = kind is BlockKind.PARTIAL
-    return [BlockCall(q0, q1, k0, k1, partial, q_start if partial else 0, k_start if partial else 0)]
-
-
-def _block_calls(op: BlockOp, rule: Rule, q0: int, q1: int, k0: int, k1: int, q_start: int, k_start: int,
-                 what: str) -> Iterator[BlockCall]:
-    """Calls covering rows `[q0, q1)` (global positions from `q_start`) x keys `[k0, k1)` (from
-    `k_start`) under `rule`: plain calls where it is plain, else intervals for ops that take them,
-    else one plain call per document for ops that do not (windows then raise)."""
-    if rule.plain:
-        yield from _plain_calls(q0, q1, k0, k1, rule.causal, q_start, k_start)
-        return
-    if op.caps.masks is Masks.INTERVALS:
-        iv = planned_intervals(rule, Span(q_start, q1 - q0), Span(k_start, k1 - k0))
-        kind = iv.kind()
-        if kind is BlockKind.FULL:
-            yield BlockCall(q0, q1, k0, k1, False, 0, 0)
-        elif kind is BlockKind.PARTIAL:
-            yield BlockCall(q0, q1, k0, k1, False, 0, 0, iv)
-        return
-    windowed = rule.window != (-1, -1)
-    if windowed and op.caps.masks is not Masks.WINDOW:
-        raise ValueError(f"{what}: window_size needs a backend that takes windows; the {op.name!r} block op does not")
-    segments = [(q0, q1, k0, k1)]
-    if rule.docs is not None:  # each document alone is a block of its own
-        segments = [(max(q0, q0 + a - q_start), min(q1, q0 + b - q_start), max(k0, k0 + a - k_start),
-                     min(k1, k0 + b - k_start)) for a, b in zip(rule.docs, rule.docs[1:])]
-    for qa, qb, ka, kb in segments:
-        if qa >= qb or ka >= kb:
-            continue
-        qs, ks = q_start + qa - q0, k_start + ka - k0
-        if not windowed:
-            yield from _plain_calls(qa, qb, ka, kb, rule.causal, qs, ks)
-            continue
-        # a window as a rule: cut to the rows that see keys and the keys they see (`fa4_window_pieces`)
-        iv = planned_intervals(Rule(rule.causal, rule.window), Span(qs, qb - qa), Span(ks, kb - ka))
-        box, kind = iv.box(), iv.kind()
-        if box is None:
-            continue
-        if kind is BlockKind.FULL:
-            yield BlockCall(qa, qb, ka, kb, False, 0, 0)
-            continue
-        r0, r1, c0, c1 = box
-        yield BlockCall(qa + r0, qa + r1, ka + c0, ka + c1, rule.causal, qs + r0, ks + c0, window=rule.window)
-
-
 def attend_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> _CallPlan:
     """The plan of one single-device call (`spec.what` names the entry point in messages), after every
     check; varlen when `spec.cu_seqlens_q` is set."""
@@ -123,7 +70,8 @@ def attend_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attenti
     sq, sk = q.shape[1], k.shape[1]
     step = max(sk if spec.chunk_size is None else spec.chunk_size, 1)
     calls = [c for k0 in range(0, sk, step)
-             for c in _block_calls(op, rule, 0, sq, k0, min(sk, k0 + step), q_start, spec.k_start + k0, what)]
+             for c in rule_calls(op.caps.masks, op.name, rule, 0, sq, k0, min(sk, k0 + step), q_start,
+                                    spec.k_start + k0, what)]
     return _CallPlan(op, scale, calls, spec.softcap)
 
 
@@ -145,5 +93,5 @@ def _varlen_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attent
     for (qa, qe), (ka, ke) in zip(zip(qb, qb[1:]), zip(kb, kb[1:])):
         # positions: keys at their row index, queries aligned to end with their document's keys
         q_start = ka + (ke - ka) - (qe - qa)
-        calls += _block_calls(op, rule, qa, qe, ka, ke, q_start, ka, what)
+        calls += rule_calls(op.caps.masks, op.name, rule, qa, qe, ka, ke, q_start, ka, what)
     return _CallPlan(op, scale, calls, spec.softcap)

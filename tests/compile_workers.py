@@ -76,3 +76,30 @@ def compiled_ring_gpu(rank: int, world: int, backend: str) -> dict:
 
     return dict(frames=counter.frame_count, out=(got.float() - ref.float()).abs().max().item(),
                 grads=diff(compiled, eager[0]), spread=diff(eager[0], eager[1]))
+
+
+def compiled_head_parallel(rank: int, world: int) -> dict:
+    """`ring_attention(head_group=)` compiled (aot_eager, graph breaks allowed: its all-to-alls are
+    collectives outside the ring's custom op) against eager on a 2 x 2 grid: max abs differences of out,
+    lse and the gradients."""
+    import torch._dynamo
+
+    import ringlse
+    from head_parallel_workers import grid
+
+    ring, head = grid(2, 2)
+    torch.manual_seed(rank)
+    q, k, v = (torch.randn(1, 6, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    docs = [0, 5, 9, 6 * world]
+
+    def step(q, k, v):
+        return ringlse.ring_attention(q, k, v, causal=True, group=ring, head_group=head, cu_seqlens=docs,
+                                      return_lse=True, backend="torch")
+
+    ref = step(q, k, v)
+    ref_grads = torch.autograd.grad(ref[0].square().sum() + ref[1].sum(), (q, k, v))
+    torch._dynamo.reset()
+    got = torch.compile(step, backend="aot_eager")(q, k, v)
+    grads = torch.autograd.grad(got[0].square().sum() + got[1].sum(), (q, k, v))
+    return dict(out=max((a - b).abs().max().item() for a, b in zip(got, ref)),
+                grads=max((a - b).abs().max().item() for a, b in zip(grads, ref_grads)))

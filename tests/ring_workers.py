@@ -185,6 +185,33 @@ def nan_inputs_finish(rank, world) -> bool:
     return True
 
 
+def window_rule_op():
+    """The torch op behind the `Masks.WINDOW` contract (as fa4's op): a call's window rule becomes the
+    intervals it stands for, so the ring's window-as-a-rule plans run on exact float64 math."""
+    import dataclasses
+
+    from ringlse.blocks.contract import Masks
+    from ringlse.blocks.torch_math import TORCH_BLOCK_OP
+    from ringlse.masks import Rule, Span, planned_intervals
+
+    def as_intervals(q, k, kw):
+        window = kw.pop("window_size", None)
+        if window is not None:
+            kw["intervals"] = planned_intervals(Rule(kw["causal"], tuple(window)), Span(kw["q_start"], q.shape[1]),
+                                                Span(kw["k_start"], k.shape[1]))
+            kw["causal"] = False
+        return kw
+
+    def forward(q, k, v, **kw):
+        return TORCH_BLOCK_OP.forward(q, k, v, **as_intervals(q, k, kw))
+
+    def backward(dout, q, k, v, out, lse, delta, **kw):
+        return TORCH_BLOCK_OP.backward(dout, q, k, v, out, lse, delta, **as_intervals(q, k, kw))
+
+    return dataclasses.replace(TORCH_BLOCK_OP, name="torch-window-rule", forward=forward, backward=backward,
+                               caps=dataclasses.replace(TORCH_BLOCK_OP.caps, masks=Masks.WINDOW))
+
+
 def masked_rings(rank, world, cases: list[dict]) -> list[str]:
     """Rings with windows and documents (global boundaries crossing ranks) against the dense-mask
     oracle (float64 on the CPU), forward and backward; returns the failures. On an NCCL group the
@@ -201,8 +228,12 @@ def masked_rings(rank, world, cases: list[dict]) -> list[str]:
         kw = dict(causal=c["causal"], window_size=c["window"], cu_seqlens=c["docs"])
         local = [ringlse.shard(t, c["layout"], cu_seqlens=c["docs"]) for t in low]
         ql, kl, vl = (t.detach().requires_grad_() for t in local[:3])
-        out, lse = ringlse.ring_attention(ql, kl, vl, layout=c["layout"], return_lse=True,
-                                          backend=c.get("backend", "torch"), **kw)
+        backend = c.get("backend", "torch")
+        if backend == "sdpa_cpu":  # an op without intervals: documents as one plain call per document
+            from ringlse.blocks.sdpa import SDPA_BLOCK_OP as backend
+        elif backend == "window_rule":  # an op taking windows as a rule only (as fa4's): calls with `window`
+            backend = window_rule_op()
+        out, lse = ringlse.ring_attention(ql, kl, vl, layout=c["layout"], return_lse=True, backend=backend, **kw)
         loss = (out.double() * local[3].double()).sum() + (
             lse.double().nan_to_num(neginf=0.0) * ringlse.shard(dlse.to(device), c["layout"], dim=2,
                                                                 cu_seqlens=c["docs"])).sum()

@@ -97,6 +97,12 @@ def test_compiled_ring_equals_eager(world, tmp_path):
     assert len({r["bad"] for r in per_rank}) == 1  # the same message on every rank
 
 
+def test_compiled_head_parallel_ring_equals_eager(tmp_path):
+    """Head parallelism x ring (2 x 2) under torch.compile: the eager results bit for bit."""
+    for rank, r in enumerate(run_ranks(cw.compiled_head_parallel, 4, tmp_path, timeout=300)):
+        assert r["out"] == EXACT and r["grads"] == EXACT, (rank, r)
+
+
 def _spread(runs) -> float:
     """The largest difference between repeated eager runs (0 for deterministic kernels)."""
     return max((a.float() - b.float()).abs().max().item() for x, y in zip(runs, runs[1:]) for a, b in zip(x, y))

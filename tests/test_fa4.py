@@ -504,12 +504,17 @@ def test_fa4_op_windows_over_chunks_and_offsets(window, fake_fa4):
                             causal=causal, window_size=window, q_start=50, k_start=41)
 
 
-def test_fa4_op_refuses_other_dtypes_and_ring_windows(fake_fa4):
+def test_fa4_op_refuses_other_dtypes_and_strided_ring_windows(fake_fa4):
     q = torch.randn(1, 8, 2, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match="fp16/bf16 only"):
         FA4_BLOCK_OP.forward(q.float(), q.float(), q.float(), softmax_scale=0.25, causal=False, q_start=0, k_start=0)
-    with pytest.raises(ValueError, match="windows and documents need a backend that takes intervals"):
-        ringlse.ring_attention(q, q, q, window_size=(2, 0), backend=FA4_BLOCK_OP)
+    with pytest.raises(ValueError, match="windows and documents in the 'stripe' layout need a backend that takes"):
+        ringlse.ring_attention(q, q, q, window_size=(2, 0), layout="stripe", backend=FA4_BLOCK_OP)
+    # in layouts of contiguous runs the ring takes the window as a rule, as one device does
+    q = torch.randn(1, 8, 2, 32, dtype=torch.float16)
+    ring = ringlse.ring_attention(q, q, q, window_size=(2, 0), cu_seqlens=[0, 5, 8], backend=FA4_BLOCK_OP)
+    one = ringlse.attention(q, q, q, window_size=(2, 0), cu_seqlens=[0, 5, 8], backend=FA4_BLOCK_OP)
+    assert torch.equal(ring, one)
     with pytest.raises(ValueError, match="sdpa does not take windows"):
         ringlse.attention(q, q, q, window_size=(2, 0), backend="sdpa")
     assert FA4_BLOCK_OP.caps.masks is Masks.WINDOW and FA4_BLOCK_OP.delta is None

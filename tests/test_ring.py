@@ -193,6 +193,44 @@ def test_ring_with_windows_and_documents_matches_the_oracle(world, tmp_path):
     assert not failures, "\n".join(failures[:10])
 
 
+@pytest.mark.parametrize("world", [2, 3, 4], ids=lambda w: f"W{w}")
+def test_ring_with_documents_on_an_op_without_intervals(world, tmp_path):
+    """Documents on the `sdpa` op (its CPU kernels; no intervals): one plain call per document and
+    pair of runs, as on one device, in the layouts of contiguous runs (float64, the oracle's)."""
+    cases = [dict(c, backend="sdpa_cpu") for c in _masked_cases(world)
+             if c["window"] == (-1, -1) and c["layout"] != "stripe"]
+    s = cases[0]["s"]
+    cases.append(dict(s=s, layout="zigzag", causal=False, window=(-1, -1), docs=[0, s // 2 + 1, s], seed=99,
+                      backend="sdpa_cpu"))
+    per_rank = run_ranks(rw.masked_rings, world, tmp_path, cases, timeout=300)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"W{w}")
+def test_ring_with_windows_as_a_rule(world, tmp_path):
+    """Windows (with documents) on an op that takes them as a rule, not as intervals (fa4's contract,
+    here over exact torch math): per-document calls cut to each window's box, across ranks."""
+    cases = [dict(c, backend="window_rule") for c in _masked_cases(world)
+             if c["window"] != (-1, -1) and c["layout"] != "stripe"]
+    per_rank = run_ranks(rw.masked_rings, world, tmp_path, cases, timeout=300)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures[:10])
+
+
+def test_ring_refuses_what_an_op_without_intervals_cannot_compute():
+    """Windows on an op that takes neither intervals nor windows, and documents in the strided layout
+    on one without intervals: ValueError naming what is missing (one rank; every rank raises together
+    through the agreement, as `test_ring_faults` checks for such errors)."""
+    from ringlse.blocks.sdpa import SDPA_BLOCK_OP
+
+    q = torch.randn(1, 8, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="'stripe' layout need a backend that takes intervals"):
+        ringlse.ring_attention(q, q, q, causal=True, layout="stripe", cu_seqlens=[0, 3, 8], backend=SDPA_BLOCK_OP)
+    with pytest.raises(ValueError, match="need a backend that takes intervals; the 'sdpa' block op does not"):
+        ringlse.ring_attention(q, q, q, causal=True, window_size=(2, 0), backend=SDPA_BLOCK_OP)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter run; the GPU suite covers compiled kernels")
 def test_ring_with_windows_and_documents_on_triton_kernels(tmp_path):
     """The masked ring through the Triton op (under the interpreter: float32), every layout, W = 2."""

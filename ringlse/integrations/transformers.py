@@ -81,8 +81,8 @@ def ring(group: dist.ProcessGroup | None = None, layout: str | None = None,
             (one document; `balanced` needs them).
         backend: the block op, as in `ring_attention`.
         head_group: head parallelism x ring, as in `ring_attention` (the batch sharded by
-            `prepare_batch(..., head_group=)`); eager (its all-to-all is not one custom op, as the
-            ring is: torch.compile is untested with it).
+            `prepare_batch(..., head_group=)`); under torch.compile its all-to-alls are graph breaks
+            around the ring's one op.
     """
     bounds = None if cu_seqlens is None else torch.as_tensor(cu_seqlens, dtype=torch.int64, device="cpu")
     entry = _Ring(group, group_name(group), layout or default_layout(True), bounds, backend, head_group)

@@ -51,8 +51,9 @@ def ring_attention(
         return_lse: also return lse `[batch, nheads, n]` (float32; float64 for float64 inputs).
         window_size: `(left, right)` at global positions, -1 unbounded (CONVENTIONS.md §10).
         cu_seqlens: document boundaries over the *global* sequence `[0, ..., S]`, the same on every
-            rank; documents need no divisibility and may cross ranks in any layout. Windows and
-            documents need a backend that takes intervals (`ringlse.available_backends(device,
+            rank; documents need no divisibility and may cross ranks in any layout. Backends without
+            intervals get one call per document (windows: `fa4` takes them as a rule), as on one device;
+            the `stripe` layout needs a backend that takes intervals (`ringlse.available_backends(device,
             masked=True)`; `auto` picks one).
         backend: block op: `auto` (`triton` on CUDA, `torch` on CPU), `triton`, `sdpa`, `flash`, `torch`,
             or a `BlockOp`.

@@ -142,11 +142,16 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
     if error is None:
         try:
             scale = check_scale(softmax_scale, q.shape[-1], "ring_attention")
-            op = get_block_op(backend, q.device, q.dtype, masked=not rule.plain, head_dim=q.shape[-1],
-                              softcap=softcap, v_head_dim=v.shape[-1])
-            if not rule.plain and op.caps.masks is not Masks.INTERVALS:
-                raise ValueError(f"ring_attention: windows and documents need a backend that takes intervals; "
-                                 f"the {op.name!r} block op does not")
+            # as on one device: documents are cut into plain calls for ops without intervals, windows
+            # need intervals or an op taking them as a rule; `auto` and the strided layout take intervals
+            windowed, strided = rule.window != (-1, -1), placed == "stripe"
+            op = get_block_op(backend, q.device, q.dtype, head_dim=q.shape[-1], softcap=softcap,
+                              masked=not rule.plain and (backend == "auto" or strided), window=windowed,
+                              v_head_dim=v.shape[-1])
+            if not rule.plain and op.caps.masks is not Masks.INTERVALS and (strided or (
+                    windowed and op.caps.masks is not Masks.WINDOW)):
+                raise ValueError(f"ring_attention: windows and documents in the {placed!r} layout need a backend "
+                                 f"that takes intervals; the {op.name!r} block op does not")
         except (ValueError, TypeError) as e:
             error = str(e)
     row = AgreementRow.invalid() if error is not None else AgreementRow.of_call(
@@ -159,8 +164,8 @@ def ring_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal, soft
         if error is not None:
             raise ValueError(error)
         check = Agreement(lambda: True, lambda: None)
-    plans, peer_plans = step_plans(placed, comm.rank, comm.world, q.shape[1], rule)
-    route = kv_route(placed, comm.world, q.shape[1], rule)
+    plans, peer_plans = step_plans(placed, comm.rank, comm.world, q.shape[1], rule, op.caps.masks)
+    route = kv_route(placed, comm.world, q.shape[1], rule, op.caps.masks)
     call = RingCall(op, scale, comm, plans, peer_plans, route, transport, return_lse, comm.transfer_limit(limit),
                     softcap)
     return RingPlan(call, check)

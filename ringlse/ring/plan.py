@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from ringlse.blocks.calls import BlockCall
+from ringlse.blocks.contract import Masks
+from ringlse.mask_calls import rule_calls
 from ringlse.masks import BlockKind, Intervals, Rule, Runs, Span, block_kind, planned_intervals
 from ringlse.ring.layout import Balanced, Layout, Segment, segments
 
@@ -78,6 +80,19 @@ def plan_step_masked(layout: Layout, rank: int, src: int, world: int, n_local: i
     return calls
 
 
+def plan_step_by_rule(layout: Layout, rank: int, src: int, world: int, n_local: int, rule: Rule,
+                      masks: Masks) -> list[BlockCall]:
+    """`plan_step_masked` for ops without intervals (`masks`: `Masks.PLAIN` or `Masks.WINDOW`), in
+    layouts of contiguous runs: per pair of runs (query run of `rank` x key run of `src`), one plain
+    call per document, a window as a rule, as on one device (`ringlse.mask_calls.rule_calls`)."""
+    calls = []
+    for qs in segments(layout, rank, world, n_local):
+        for ks in segments(layout, src, world, n_local):
+            calls += rule_calls(masks, "", rule, qs.local_start, qs.local_start + qs.length, ks.local_start,
+                                ks.local_start + ks.length, qs.global_start, ks.global_start, "ring_attention")
+    return calls
+
+
 def rows_read(plan: Sequence[BlockCall]) -> tuple[int, int]:
     """The key rows `[k0, k1)` a step's calls read (empty when it has none)."""
     return (min(c.k0 for c in plan), max(c.k1 for c in plan)) if plan else (0, 0)
@@ -127,15 +142,22 @@ def plan_step(layout: Layout, rank: int, src: int, world: int, n_local: int, cau
     return calls
 
 
+def _step(layout: Layout, world: int, n: int, rule: Rule, masks: Masks):
+    """`step(rank, src)`: the calls attending `rank`'s queries to `src`'s keys, for an op taking `masks`."""
+    if rule.plain:
+        return lambda r, src: plan_step(layout, r, src, world, n, rule.causal)
+    if masks is Masks.INTERVALS:
+        return lambda r, src: plan_step_masked(layout, r, src, world, n, rule)
+    return lambda r, src: plan_step_by_rule(layout, r, src, world, n, rule, masks)
+
+
 @functools.lru_cache(maxsize=64)
-def step_plans(layout: Layout, rank: int, world: int, n: int, rule: Rule) -> tuple[tuple[tuple[BlockCall, ...], ...], ...]:
+def step_plans(layout: Layout, rank: int, world: int, n: int, rule: Rule, masks: Masks = Masks.INTERVALS
+               ) -> tuple[tuple[tuple[BlockCall, ...], ...], ...]:
     """`(plans, peer_plans)`: plans[s] are the block calls of step s, whose K/V came from rank
     (rank - s) mod W; peer_plans[s] those of rank (rank + s) mod W at its step s, when it holds our
-    K/V. Cached: the same shapes come back on every call of a training run."""
-    if rule.plain:
-        step = lambda r, src: plan_step(layout, r, src, world, n, rule.causal)  # noqa: E731
-    else:
-        step = lambda r, src: plan_step_masked(layout, r, src, world, n, rule)  # noqa: E731
+    K/V, for an op taking `masks`. Cached: the same shapes come back on every call of a training run."""
+    step = _step(layout, world, n, rule, masks)
     plans = tuple(tuple(step(rank, (rank - s) % world)) for s in range(world))
     peer_plans = tuple(tuple(step((rank + s) % world, rank)) for s in range(world))
     return plans, peer_plans
@@ -154,7 +176,7 @@ class Route(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def kv_route(layout: Layout, world: int, n: int, rule: Rule) -> Route:
+def kv_route(layout: Layout, world: int, n: int, rule: Rule, masks: Masks = Masks.INTERVALS) -> Route:
     """The `Route` of a ring of `world` ranks holding `n` tokens each in `layout` under `rule`,
     from every rank's plans (each rank computes the same). Cached like `step_plans`.
 
@@ -165,8 +187,8 @@ def kv_route(layout: Layout, world: int, n: int, rule: Rule) -> Route:
     the rows (otherwise every step is read, and neighbour passing runs them all)."""
     if rule.plain or world == 1:
         return Route(tuple(range(1, world)), False)
-    rows = [[rows_read([_call(*part) for part in _visible_parts(layout, r, (r - s) % world, world, n, rule)])
-             for s in range(1, world)] for r in range(world)]
+    step = _step(layout, world, n, rule, masks)  # the rows the calls read, the only ones direct sends move
+    rows = [[rows_read(step(r, (r - s) % world)) for s in range(1, world)] for r in range(world)]
     steps = tuple(s for s in range(1, world) if any(read[s - 1][1] > read[s - 1][0] for read in rows))
     moved = sum(k1 - k0 for read in rows for k0, k1 in read)
     return Route(steps, len(steps) < world - 1 or 2 * moved <= world * (world - 1) * n)
@@ -183,7 +205,7 @@ def split_keys(plan: Sequence[BlockCall], m: int) -> tuple[list[BlockCall], list
     (fewer rounded parts to sum, and one call fewer)."""
     halves: tuple[list[BlockCall], list[BlockCall]] = ([], [])
     for c in plan:
-        if c.intervals is not None:  # masked calls stay whole, in the half computed first
+        if c.intervals is not None or c.window is not None:  # masked calls stay whole, in the half computed first
             halves[1].append(c)
             continue
         for half, (a, b) in zip(halves, ((c.k0, min(c.k1, m)), (max(c.k0, m), c.k1))):
