@@ -6,8 +6,8 @@ backend on the whole packed sequence on one GPU (CONVENTIONS.md §8), under torc
 Shape: 8K tokens per GPU, GQA 64 query heads : 8 KV heads, head dim 128, bf16, causal, batch 1. Document
 sets (`mask_balance.document_set`): `loguniform` (lengths log-uniform in [256, 16K], `random.Random(0)`)
 and `equal2k`. Layouts: contiguous, zigzag, stripe, balanced. Backends: `triton`, and `fa4`, `sdpa`
-where installed: the ring refuses documents on backends without intervals, and the refusal is recorded
-as the row's `error` (their one-GPU figures are still measured).
+where installed (without intervals they take documents as one call per document; in `stripe` the ring
+refuses them, and the refusal is recorded as the row's `error`; their one-GPU figures are still measured).
 
 FLOPs count the visible pairs exactly (`ringlse.masks.visible_per_position`): forward
 `4 · pairs · head dim · heads`, backward 2.5x that; `bwd` times are fwd+bwd minus fwd. Rank 0 writes
