@@ -79,9 +79,9 @@ def masked_attention(d: dict) -> list[str]:
     return lines
 
 
-def ring(d: dict) -> list[str]:
+def ring(d: dict, title: str = "Ring attention") -> list[str]:
     env = d["environment"]
-    lines = [f"**Ring attention** ({env['gpus']}× {env['gpu']}, torch {env['torch']}, triton {env['triton']}; "
+    lines = [f"**{title}** ({env['gpus']}× {env['gpu']}, torch {env['torch']}, triton {env['triton']}; "
              f"`{env['command']}`), batch 1 × 32 heads × d 128, bf16; efficiency = T(1 GPU, full S) / (W·T(ring)); "
              "ratio = ringlse time / PyTorch context-parallel time (< 1 is faster):", "",
              "| impl | S | kv heads | causal | mode | ms | efficiency | TFLOP/s/GPU | time ratio vs torch CP |",
@@ -517,7 +517,9 @@ SECTIONS = (("block_attention", "Block attention", block_attention), ("error_gro
             ("lse_toolkit", "LSE toolkit", lse_toolkit), ("mask_balance", "Work balance of the layouts", mask_balance),
             ("masked_attention", "Masked block attention (windows, packed documents)", masked_attention),
             ("merge_engines", "Merging in the engines' conventions", merge_engines), ("merge", "Fused merge", merge),
-            ("ring_documents", "Ring attention over packed documents", ring_documents), ("ring", "Ring attention", ring))
+            ("ring_documents", "Ring attention over packed documents", ring_documents),
+            ("ring_hybrid", "Head parallelism x ring", lambda d: ring(d, "Head parallelism (U) x ring (R), impl `U`x`R`")),
+            ("ring", "Ring attention", ring))
 
 
 def load(results: Path) -> list[tuple[Path, dict]]:
