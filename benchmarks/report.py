@@ -255,6 +255,41 @@ def headline_ring(path: Path, d: dict) -> list[list[str]]:
     return rows
 
 
+def headline_ring_documents(path: Path, d: dict) -> list[list[str]]:
+    """Per document set, the best layout's ring TFLOP/s per GPU over one GPU's on the whole sequence."""
+    env, sh = d["environment"], d["shape"]
+    parts = []
+    for docs in dict.fromkeys(r["docs"] for r in d["rows"]):
+        ok = [r for r in d["rows"] if r["docs"] == docs and r["backend"] == "triton" and not r.get("error")
+              and r.get("fwd_tflops_per_gpu") and r.get("single_fwd_tflops")]
+        if not ok:
+            continue
+        best = max(ok, key=lambda r: r["fwd_tflops_per_gpu"] + r["bwd_tflops_per_gpu"])
+        parts.append(f"{docs} ({best['documents']} documents): best layout `{best['layout']}` "
+                     f"**{best['fwd_tflops_per_gpu'] / best['single_fwd_tflops']:.2f}** / "
+                     f"**{best['bwd_tflops_per_gpu'] / best['single_bwd_tflops']:.2f}** of one GPU "
+                     f"({best['fwd_tflops_per_gpu']:.0f} / {best['bwd_tflops_per_gpu']:.0f} TFLOP/s per GPU)")
+    if not parts:
+        return []
+    return [[f"packed documents across the ring, `triton`, fwd / bwd TFLOP/s per GPU over one GPU's on the whole "
+             f"packed sequence (bar 0.85), {env['gpus']}× {env['gpu'].replace('NVIDIA ', '')}, "
+             f"{_k(sh['tokens_per_gpu'])} tokens per GPU, {sh['heads']}/{sh['kv_heads']} heads × d {sh['head_dim']}, "
+             "bf16, causal", "; ".join(parts), _src(path)]]
+
+
+def headline_ring_hybrid(path: Path, d: dict) -> list[list[str]]:
+    """Each U x R grid's time over PyTorch context parallel's, dense causal rows."""
+    env = d["environment"]
+    recs = [r for r in d["records"] if r.get("ms") and "mask" not in r and r.get("time_ratio_to_torch_cp")]
+    if not recs:
+        return []
+    parts = [f"{r['impl'].split()[-1]} at S {_k(r['seqlen'])}: **{r['time_ratio_to_torch_cp']:.2f}×** CP's time, "
+             f"efficiency {_fmt(r.get('efficiency'))}" for r in sorted(recs, key=lambda r: (r["seqlen"], r["ms"]))]
+    return [[f"head parallelism (U) × ring (R), `triton`, U×R vs PyTorch context parallel (CP), "
+             f"{env['gpus']}× {env['gpu'].replace('NVIDIA ', '')}, causal fwd+bwd, 32 heads × d 128, bf16",
+             "; ".join(parts), _src(path)]]
+
+
 def headline_error_growth(path: Path, d: dict) -> list[list[str]]:
     w = d["shape"]["world"]
     parts = []
@@ -450,7 +485,8 @@ def _memory_fake(path: Path, d: dict) -> list[list[str]]:
              f"of a fake W-rank group", "; ".join(parts), _src(path)]]
 
 
-HEADLINE = (("ring-", headline_ring), ("error_growth", headline_error_growth), ("merge", headline_merge),
+HEADLINE = (("ring-", headline_ring), ("ring_documents", headline_ring_documents), ("ring_hybrid", headline_ring_hybrid),
+            ("error_growth", headline_error_growth), ("merge", headline_merge),
             ("merge_engines", headline_merge_engines),
             ("block_attention", headline_block_attention), ("masked_attention", headline_masked_attention),
             ("lse_toolkit", headline_lse_toolkit), ("fa4-", headline_fa4), ("memory-", headline_memory))
