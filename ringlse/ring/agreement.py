@@ -67,7 +67,7 @@ class AgreementRow:
     def of_call(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, scale: float,
                 return_lse: bool, copy_engines: bool, rule: Rule, softcap: float = 0.0,
                 head_split: tuple[int, int] = (0, 1)) -> AgreementRow:
-        """The row of a call whose inputs this rank found valid."""
+        """The row of a call whose inputs this rank found valid (one parameter per field the ranks compare)."""
         docs = rule.docs or ()
         digest = hashlib.blake2b(repr(docs).encode(), digest_size=7).digest()
         return cls(tuple(q.shape), tuple(k.shape), SUPPORTED_DTYPES.index(q.dtype), causal is True,
