@@ -41,7 +41,8 @@ def match_oracle(rank, world, case: dict) -> list[str]:
         if case.get("sinks") else None
     causal, window, docs = case.get("causal", False), case.get("window", (-1, -1)), case.get("docs")
     part = dict(group=ring, head_group=head)
-    local = [ringlse.shard(t, layout, **part) for t in (q, k, v, dout)]
+    placed = dict(part, cu_seqlens=docs)  # the balanced layout places tokens by the documents
+    local = [ringlse.shard(t, layout, **placed) for t in (q, k, v, dout)]
     leaves = [t.requires_grad_() for t in local[:3]]
     s_leaf = sinks.clone().requires_grad_() if sinks is not None else None
     with_lse = case.get("return_lse", True)  # without it only out is differentiated (and the sinks need the lse)
@@ -51,11 +52,11 @@ def match_oracle(rank, world, case: dict) -> list[str]:
     loss = (out * local[3]).sum()
     if with_lse:
         assert lse.shape == (q.shape[0], h, s // world), lse.shape
-        loss = loss + (lse.nan_to_num(neginf=0.0) * ringlse.shard(dlse, layout, dim=2, **part)).sum()
+        loss = loss + (lse.nan_to_num(neginf=0.0) * ringlse.shard(dlse, layout, dim=2, **placed)).sum()
     assert out.shape == local[0].shape, out.shape
     loss.backward()
     pairs = ((out, 1), (lse, 2), (leaves[0].grad, 1), (leaves[1].grad, 1), (leaves[2].grad, 1))
-    ours = [ringlse.unshard(t.detach(), layout, dim=dim, **part) for t, dim in pairs if t is not None]
+    ours = [ringlse.unshard(t.detach(), layout, dim=dim, **placed) for t, dim in pairs if t is not None]
     names = [n for n in RESULT_NAMES if with_lse or n != "lse"]
     dlse = dlse if with_lse else torch.zeros_like(dlse)
     if sinks is not None:

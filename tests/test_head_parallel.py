@@ -60,6 +60,8 @@ CASES4 = [
                       seed=6), id="2x2-window-sinks-contiguous"),
     pytest.param(dict(U=4, R=1, s=32, h=8, hkv=1, layout="stripe", causal=False, docs=[0, 10, 32], seed=7),
                  id="4x1-documents-gqa8/1"),
+    pytest.param(dict(U=2, R=2, s=256, h=4, hkv=2, layout="balanced", causal=True, docs=[0, 9, 140, 200, 256],
+                      seed=8), id="2x2-documents-balanced"),
 ]
 
 
