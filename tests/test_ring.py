@@ -202,6 +202,9 @@ def test_ring_with_documents_on_an_op_without_intervals(world, tmp_path):
     s = cases[0]["s"]
     cases.append(dict(s=s, layout="zigzag", causal=False, window=(-1, -1), docs=[0, s // 2 + 1, s], seed=99,
                       backend="sdpa_cpu"))
+    big = 128 * world  # the balanced layout's chunks are 64 tokens at least
+    cases.append(dict(s=big, layout="balanced", causal=True, window=(-1, -1), docs=[0, 3, big // 3, big - 40, big],
+                      seed=98, backend="sdpa_cpu"))
     per_rank = run_ranks(rw.masked_rings, world, tmp_path, cases, timeout=300)
     failures = [f for fs in per_rank for f in fs]
     assert not failures, "\n".join(failures[:10])
