@@ -65,8 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=_positive, default=64)
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-    p.add_argument("--layout", choices=ringlse.ring.LAYOUTS, default=None,
-                   help="default: zigzag when causal, contiguous otherwise")
+    p.add_argument("--layout", choices=ringlse.ring.layout.LAYOUT_NAMES, default=None,
+                   help="default: zigzag when causal, contiguous otherwise; balanced needs --docs")
     p.add_argument("--backend", choices=("auto", *BACKENDS), default="auto")
     p.add_argument("--window", type=_window, default=(-1, -1), metavar="L,R",
                    help="sliding window: each query sees keys from L before to R after it (-1: unbounded)")
@@ -78,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.heads % (args.kv_heads or args.heads):
         p.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    if args.layout == "balanced" and args.docs is None:
+        p.error("--layout balanced places tokens by the documents: give --docs N")
     return args
 
 
@@ -92,7 +94,7 @@ def settle_seqlen(args: argparse.Namespace, world: int, gpu: bool) -> str | None
     layout of the run divides over `world` ranks), or say in one line why the given one cannot run."""
     if args.seqlen is None:
         base = 4096 if gpu else 256
-        args.seqlen = next(n for n in range(base, base + 2 * world + 1)
+        args.seqlen = next(n for n in range(base, base + 64 * world + 1)  # balanced: 64·W
                            if all(_fits(layout, n, world) for _, layout in layouts_of(args)))
         return None
     for _, layout in layouts_of(args):

@@ -32,6 +32,13 @@ def test_verify_passes_with_a_window_and_packed_documents():
     assert "5 documents" in r.stdout and r.stdout.count("PASS") == 11, r.stdout
 
 
+def test_verify_passes_in_the_balanced_layout():
+    r = _run("--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--docs", "5", "--layout", "balanced",
+             "--causal", "yes", "--dtype", "fp32")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "layout=balanced" in r.stdout and r.stdout.count("PASS") == 6, r.stdout
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -46,9 +53,10 @@ def test_verify_passes_with_a_window_and_packed_documents():
         (("--heads", "6", "--kv-heads", "4"), "--heads 6 is not a multiple of --kv-heads 4"),
         (("--window", "3"), "--window: expected L,R"),
         (("--window=-2,0",), "--window: window entries must be >= -1"),
+        (("--layout", "balanced"), "--layout balanced places tokens by the documents: give --docs N"),
     ],
     ids=["indivisible", "indivisible-w3", "bad-backend", "seqlen-0", "nproc-0", "batch-0", "head-dim-0",
-         "negative-heads", "gqa-ratio", "window-one-number", "window-below-minus-1"],
+         "negative-heads", "gqa-ratio", "window-one-number", "window-below-minus-1", "balanced-without-docs"],
 )
 def test_verify_refuses_bad_flags_in_one_line(flags, message):
     r = _run(*flags)
