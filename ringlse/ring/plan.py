@@ -187,11 +187,20 @@ def kv_route(layout: Layout, world: int, n: int, rule: Rule, masks: Masks = Mask
     the rows (otherwise every step is read, and neighbour passing runs them all)."""
     if rule.plain or world == 1:
         return Route(tuple(range(1, world)), False)
-    step = _step(layout, world, n, rule, masks)  # the rows the calls read, the only ones direct sends move
-    rows = [[rows_read(step(r, (r - s) % world)) for s in range(1, world)] for r in range(world)]
+    rows = [[_rows_read(layout, r, (r - s) % world, world, n, rule, masks) for s in range(1, world)]
+            for r in range(world)]
     steps = tuple(s for s in range(1, world) if any(read[s - 1][1] > read[s - 1][0] for read in rows))
     moved = sum(k1 - k0 for read in rows for k0, k1 in read)
     return Route(steps, len(steps) < world - 1 or 2 * moved <= world * (world - 1) * n)
+
+
+def _rows_read(layout: Layout, rank: int, src: int, world: int, n: int, rule: Rule, masks: Masks) -> tuple[int, int]:
+    """The key rows of `src` that `rank`'s step calls read, the only ones direct sends move: for ops with
+    intervals, those of the visible parts (their calls, without building the intervals); else those of
+    the plain calls, which may read keys no query sees (a causal block's keys past its last query)."""
+    if masks is Masks.INTERVALS:
+        return rows_read([_call(*part) for part in _visible_parts(layout, rank, src, world, n, rule)])
+    return rows_read(plan_step_by_rule(layout, rank, src, world, n, rule, masks))
 
 
 def split_keys(plan: Sequence[BlockCall], m: int) -> tuple[list[BlockCall], list[BlockCall]]:
