@@ -73,6 +73,16 @@ def attention_flops(b: int, h: int, s: int, d: int, causal: bool, mode: str) -> 
     return f * (3.5 if mode == "fwd+bwd" else 1.0)
 
 
+def event_ms(fn) -> float:
+    """Milliseconds of one `fn()` between two CUDA events, waited for."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def timed_ms(fn, budget_s: float) -> float:
     """Median milliseconds of `fn()` over repeated runs on every rank, max over ranks."""
     fn()  # warm-up: compilation, autotuning, allocator
@@ -89,12 +99,7 @@ def timed_ms(fn, budget_s: float) -> float:
     times = []
     for _ in range(reps):
         dist.barrier()  # start together: the ring waits for its slowest rank anyway
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(event_ms(fn))
     t = torch.tensor([statistics.median(times)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
@@ -209,13 +214,19 @@ def plot(records: list[dict], path: Path, world: int, gpu: str) -> None:
         style = "--" if key.startswith("torch") else "-"
         ax_e.plot(xs, [r["efficiency"] for r in rs], style, marker="o", label=key)
         ax_t.plot(xs, [r["tflops_per_gpu"] for r in rs], style, marker="o", label=key)
-    for ax, title in ((ax_e, "ring efficiency (fwd+bwd)"), (ax_t, "TFLOP/s per GPU (fwd+bwd)")):
+    finish_plot(fig, ((ax_e, "ring efficiency (fwd+bwd)"), (ax_t, "TFLOP/s per GPU (fwd+bwd)")),
+                f"{world}x {gpu}, batch 1, 32 heads, head dim 128, bf16", path, legend_size=8)
+
+
+def finish_plot(fig, axes_titles, suptitle: str, path: Path, legend_size: int) -> None:
+    """Axes over the total sequence length (log 2), titled, gridded, with legends; the figure saved."""
+    for ax, title in axes_titles:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("total sequence length")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"{world}x {gpu}, batch 1, 32 heads, head dim 128, bf16")
+        ax.legend(fontsize=legend_size)
+    fig.suptitle(suptitle)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

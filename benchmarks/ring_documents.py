@@ -77,16 +77,13 @@ def row_of(backend: str, layout: str, docs_name: str, docs: tuple[int, ...], wor
 
 def _single_ms(fn, budget_s: float) -> float:
     """Median ms of `fn()` on this GPU alone (CUDA events after a warm-up; no collective)."""
+    from ring import event_ms
+
     fn()
     torch.cuda.synchronize()
     times = []
     while sum(times) < budget_s * 1e3 and len(times) < 50 or len(times) < 3:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(event_ms(fn))
     return statistics.median(times)
 
 

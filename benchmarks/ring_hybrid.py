@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ring import (attention_flops, bench_context_parallel, bench_ring_call, bench_sdpa_single, bench_single,
-                  mask_inputs)
+                  finish_plot, mask_inputs)
 from timing import environment
 
 MODE = "fwd+bwd"
@@ -90,15 +90,8 @@ def plot(records: list[dict], path: Path, world: int, gpu: str) -> None:
             ys = [r[field] for r in rs]
             if all(y is not None for y in ys):
                 ax.plot(xs, ys, style, marker="x" if "[" in key else "o", label=key)
-    for ax, title in ((ax_e, "efficiency (causal fwd+bwd)"), (ax_t, "TFLOP/s per GPU (causal fwd+bwd)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("total sequence length")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"head parallelism x ring, {world}x {gpu}, batch 1, 32 heads, head dim 128, bf16")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    finish_plot(fig, ((ax_e, "efficiency (causal fwd+bwd)"), (ax_t, "TFLOP/s per GPU (causal fwd+bwd)")),
+                f"head parallelism x ring, {world}x {gpu}, batch 1, 32 heads, head dim 128, bf16", path, legend_size=7)
 
 
 def run_hybrid(args, rank: int, world: int, device: torch.device) -> int:
