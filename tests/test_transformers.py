@@ -19,6 +19,20 @@ from ringlse.integrations import transformers as rt  # noqa: E402
 EXACT = 1e-9
 FLOAT32_SOFTMAX = 1e-6
 
+
+def _rings_equal_whole(world: int, tmp_path, cases: list[dict], bound: float, timeout: int = 400) -> list[tuple]:
+    """Run `cases` on `world` ranks (`transformers_workers.llama_rings`) and assert logits and every
+    parameter gradient within `bound` of the whole model; returns `(where, case, result)` per rank and case."""
+    out = []
+    for rank, results in enumerate(run_ranks(tw.llama_rings, world, tmp_path, cases, timeout=timeout)):
+        for case, r in zip(cases, results):
+            where = f"W={world} rank {rank} {case}"
+            assert r["logits"] <= bound, (where, r)
+            assert r["grads"] <= bound, (where, r)
+            out.append((where, case, r))
+    return out
+
+
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 
 
@@ -33,15 +47,10 @@ def test_llama_ring_equals_whole_model(world, tmp_path):
     cases = [dict(layout=layout, seqlen=seqlen, docs=docs, compiled=False)
              for layout in LAYOUTS for docs in (None, _docs(seqlen))]
     cases.append(dict(layout="zigzag", seqlen=seqlen, docs=_docs(seqlen), compiled=True))
-    per_rank = run_ranks(tw.llama_rings, world, tmp_path, cases, timeout=400)
-    for rank, results in enumerate(per_rank):
-        for case, r in zip(cases, results):
-            where = f"W={world} rank {rank} {case}"
-            assert r["logits"] <= EXACT, where
-            assert r["grads"] <= EXACT, where
-            assert r["logits_vs_eager"] <= FLOAT32_SOFTMAX, where
-            if case["compiled"]:
-                assert r["frames"] == 1, f"{where}: {r['frames']} graphs (a graph break)"
+    for where, case, r in _rings_equal_whole(world, tmp_path, cases, EXACT):
+        assert r["logits_vs_eager"] <= FLOAT32_SOFTMAX, where
+        if case["compiled"]:
+            assert r["frames"] == 1, f"{where}: {r['frames']} graphs (a graph break)"
 
 
 def test_llama_head_parallel_ring_equals_whole_model(tmp_path):
@@ -50,10 +59,7 @@ def test_llama_head_parallel_ring_equals_whole_model(tmp_path):
     seqlen = 44  # zigzag over R = 2 (a multiple of 4), ring parts of 22 cut into pieces of 11
     cases = [dict(layout="zigzag", seqlen=seqlen, docs=_docs(seqlen), compiled=False, grid=(2, 2)),
              dict(layout="stripe", seqlen=seqlen, docs=None, compiled=False, grid=(2, 2))]
-    per_rank = run_ranks(tw.llama_rings, 4, tmp_path, cases, timeout=400)
-    for rank, results in enumerate(per_rank):
-        for case, r in zip(cases, results):
-            assert r["logits"] <= EXACT and r["grads"] <= EXACT, f"rank {rank} {case}: {r}"
+    _rings_equal_whole(4, tmp_path, cases, EXACT)
 
 
 def test_gemma2_softcap_ring_equals_whole_model(tmp_path):
@@ -62,12 +68,7 @@ def test_gemma2_softcap_ring_equals_whole_model(tmp_path):
     seqlen = 2 * 2 * 11
     cases = [dict(layout=layout, seqlen=seqlen, docs=docs, compiled=False, arch="gemma2")
              for layout, docs in (("contiguous", None), ("zigzag", _docs(seqlen)))]
-    per_rank = run_ranks(tw.llama_rings, 2, tmp_path, cases, timeout=300)
-    for rank, results in enumerate(per_rank):
-        for case, r in zip(cases, results):
-            where = f"rank {rank} {case}"
-            assert r["logits"] <= FLOAT32_SOFTMAX, where
-            assert r["grads"] <= FLOAT32_SOFTMAX, where
+    _rings_equal_whole(2, tmp_path, cases, FLOAT32_SOFTMAX, timeout=300)
 
 
 @pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"W{w}")
@@ -77,12 +78,7 @@ def test_deepseek_v3_mla_ring_equals_whole_model(world, tmp_path):
     seqlen = 2 * world * 11
     cases = [dict(layout=layout, seqlen=seqlen, docs=docs, compiled=False, arch="deepseek_v3")
              for layout, docs in (("zigzag", None), ("stripe", _docs(seqlen)))]
-    per_rank = run_ranks(tw.llama_rings, world, tmp_path, cases, timeout=300)
-    for rank, results in enumerate(per_rank):
-        for case, r in zip(cases, results):
-            where = f"W={world} rank {rank} {case}"
-            assert r["logits"] <= EXACT, where
-            assert r["grads"] <= EXACT, where
+    _rings_equal_whole(world, tmp_path, cases, EXACT, timeout=300)
 
 
 def test_packed_documents_equal_documents_one_by_one():
