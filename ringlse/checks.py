@@ -64,8 +64,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str) -> N
 
 # the registry's backends whose block ops take these (`Capabilities.softcap`, `.v_head_dim`); a test
 # checks they agree with the ops
-SOFTCAP_BACKENDS = ("torch", "triton")
-V_HEAD_DIM_BACKENDS = ("torch", "triton")
+SOFTCAP_BACKENDS = ("torch", "triton", "fa4")
+V_HEAD_DIM_BACKENDS = ("torch", "triton", "fa4")
 
 
 def check_softcap(softcap: object, what: str) -> float:

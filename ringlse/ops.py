@@ -21,7 +21,8 @@ from torch import Tensor
 from ringlse.attention_plan import attend_plan
 from ringlse.checks import lse_dtype
 from ringlse.ring.entry import ring_plan
-from ringlse.sinks import add_sinks
+from ringlse.blocks.contract import torch_delta
+from ringlse.sinks import fold_sinks, sink_grad
 from ringlse.specs import (AttentionSpec, RingSpec, backend_from_name, error_message, group_from_name,
                            raise_error)
 
@@ -52,9 +53,22 @@ def _fake_out_lse(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return q.new_empty((b, n, h, v.shape[-1])), q.new_empty((b, h, n), dtype=lse_dtype(q.dtype))
 
 
-def _run_backward(plan, g_out, g_lse, q, k, v, out, lse) -> tuple[Tensor, Tensor, Tensor]:
+def _finish(out: Tensor, lse: Tensor, q: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A plan's `(out, lse)` as the op returns them: sinks folded in, `out` in q's dtype."""
+    out, lse = fold_sinks(out, lse, sinks)
+    return out.to(q.dtype).contiguous(), lse.contiguous()
+
+
+def _run_backward(plan, g_out, g_lse, q, k, v, sinks, out, lse) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`(dq, dk, dv, dsinks)` from the folded `out`, `lse` (`ringlse.sinks`); `dsinks` is empty without
+    sinks (an op's outputs are tensors)."""
     dout, delta, lse_grad = plan.op.backward_inputs(g_out, g_lse, out)
-    return tuple(g.contiguous() for g in plan.backward(dout, q, k, v, out, lse, delta, lse_grad))
+    grads = tuple(g.contiguous() for g in plan.backward(dout, q, k, v, out, lse, delta, lse_grad))
+    if sinks is None:
+        return (*grads, q.new_empty(0))
+    if delta is None:  # kernels that compute it themselves
+        delta = torch_delta(dout, out) - (0 if lse_grad is None else lse_grad)
+    return (*grads, sink_grad(sinks, lse, delta))
 
 
 # The ops are defined through `torch.library.Library` rather than `torch.library.custom_op`: the
@@ -65,8 +79,8 @@ _ATTEND_OPTIONS = ("Tensor? cu_seqlens, Tensor? cu_seqlens_q, bool causal, float
                    "int k_start, int[] window, int? chunk_size, str backend, float softcap, str what, str error")
 _RING_OPTIONS = ("Tensor? cu_seqlens, bool causal, float? softmax_scale, str group, str layout, bool return_lse, "
                  "int[] window, str backend, float? timeout, bool agree, float softcap, str error, int[] head_split")
-_QKV = "Tensor q, Tensor k, Tensor v"
-_GRADS_IN = "Tensor? g_out, Tensor? g_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse"
+_QKV = "Tensor q, Tensor k, Tensor v, Tensor? sinks"
+_GRADS_IN = "Tensor? g_out, Tensor? g_lse, Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor out, Tensor lse"
 
 
 def _define(name: str, inputs: str, outputs: str, impl, fake) -> None:
@@ -75,28 +89,29 @@ def _define(name: str, inputs: str, outputs: str, impl, fake) -> None:
     torch.library.register_fake(f"ringlse::{name}", fake, lib=_LIB)
 
 
-def _fake_grads(g_out, g_lse, q, k, v, out, lse, *options):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _fake_grads(g_out, g_lse, q, k, v, sinks, out, lse, *options):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(0) if sinks is None else torch.empty_like(sinks))
 
 
 def _function(name: str) -> type[torch.autograd.Function]:
     """The `autograd.Function` over the op `ringlse::{name}` and its backward op; its options (after q,
-    k, v; the document boundaries among them) go to the backward as they came."""
+    k, v and the sinks; the document boundaries among them) go to the backward as they came."""
     forward_op, backward_op = getattr(torch.ops.ringlse, name), getattr(torch.ops.ringlse, f"{name}_backward")
 
     class _Call(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, *options):
+        def forward(ctx, q, k, v, sinks, *options):
             ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero gradient
-            out, lse = forward_op(q, k, v, *options)
-            ctx.save_for_backward(q, k, v, out, lse)
+            out, lse = forward_op(q, k, v, sinks, *options)
+            ctx.save_for_backward(q, k, v, sinks, out, lse)
             ctx.options = options
             return out, lse
 
         @staticmethod
         def backward(ctx, g_out, g_lse):
-            grads = backward_op(g_out, g_lse, *ctx.saved_tensors, *ctx.options)
-            return (*grads, *([None] * len(ctx.options)))
+            dq, dk, dv, dsinks = backward_op(g_out, g_lse, *ctx.saved_tensors, *ctx.options)
+            return (dq, dk, dv, dsinks if ctx.saved_tensors[3] is not None else None, *([None] * len(ctx.options)))
 
     _Call.__name__ = _Call.__qualname__ = f"_{name.capitalize()}"
     return _Call
@@ -111,29 +126,28 @@ def _attend_plan(q: Tensor, k: Tensor, v: Tensor, args: tuple):
     return plan if plan is not None else _remember(key, attend_plan(q, k, v, AttentionSpec.from_op_args(*args)))
 
 
-def _attend_impl(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tensor]:
-    """`(out, lse)` of one single-device call (`AttentionSpec.op_args` after q, k, v)."""
-    out, lse = _attend_plan(q, k, v, args).forward(q, k, v)
-    return out.to(q.dtype).contiguous(), lse.contiguous()
+def _attend_impl(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, *args) -> tuple[Tensor, Tensor]:
+    """`(out, lse)` of one single-device call (`AttentionSpec.op_args` after q, k, v, sinks)."""
+    return _finish(*_attend_plan(q, k, v, args).forward(q, k, v), q, sinks)
 
 
-def _attend_backward_impl(g_out, g_lse, q, k, v, out, lse, *args) -> tuple[Tensor, Tensor, Tensor]:
-    """`(dq, dk, dv)` of `ringlse::attend`."""
-    return _run_backward(_attend_plan(q, k, v, args), g_out, g_lse, q, k, v, out, lse)
+def _attend_backward_impl(g_out, g_lse, q, k, v, sinks, out, lse, *args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`(dq, dk, dv, dsinks)` of `ringlse::attend`."""
+    return _run_backward(_attend_plan(q, k, v, args), g_out, g_lse, q, k, v, sinks, out, lse)
 
 
 _define("attend", f"{_QKV}, {_ATTEND_OPTIONS}", "Tensor, Tensor", _attend_impl,
         lambda q, k, v, *options: _fake_out_lse(q, v))
-_define("attend_backward", f"{_GRADS_IN}, {_ATTEND_OPTIONS}", "Tensor, Tensor, Tensor", _attend_backward_impl,
-        _fake_grads)
+_define("attend_backward", f"{_GRADS_IN}, {_ATTEND_OPTIONS}", "Tensor, Tensor, Tensor, Tensor",
+        _attend_backward_impl, _fake_grads)
 _Attend = _function("attend")
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, sinks: Tensor | None = None
            ) -> tuple[Tensor, Tensor]:
     """`(out, lse)` of one single-device call, differentiable in q, k, v (and `sinks`) through both;
-    `sinks` `[h]` are merged in once, after every block (`ringlse.sinks`)."""
-    return add_sinks(*_Attend.apply(q, k, v, *spec.op_args()), sinks)
+    `sinks` `[h]` are folded in once, after every block (`ringlse.sinks`)."""
+    return _Attend.apply(q, k, v, sinks, *spec.op_args())
 
 
 # ---- the ring ------------------------------------------------------------------------------------
@@ -148,26 +162,25 @@ def _ring_plan(q: Tensor, k: Tensor, v: Tensor, args: tuple, agree: bool):
     return _remember(_key("ring", (q, k, v), args), plan)
 
 
-def _ring_impl(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tensor]:
+def _ring_impl(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, *args) -> tuple[Tensor, Tensor]:
     """`(out, lse)` of `ring_attention` over the process group named in `args` (`RingSpec.op_args`)."""
-    out, lse = _ring_plan(q, k, v, args, agree=True).forward(q, k, v)
-    return out.to(q.dtype).contiguous(), lse.contiguous()
+    return _finish(*_ring_plan(q, k, v, args, agree=True).forward(q, k, v), q, sinks)
 
 
-def _ring_backward_impl(g_out, g_lse, q, k, v, out, lse, *args) -> tuple[Tensor, Tensor, Tensor]:
-    """`(dq, dk, dv)` of `ringlse::ring` (the ranks' backward passes meet in the ring)."""
+def _ring_backward_impl(g_out, g_lse, q, k, v, sinks, out, lse, *args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`(dq, dk, dv, dsinks)` of `ringlse::ring` (the ranks' backward passes meet in the ring)."""
     plan = _PLANS.get(_key("ring", (q, k, v), args)) or _ring_plan(q, k, v, args, agree=False)
-    return _run_backward(plan, g_out, g_lse, q, k, v, out, lse)
+    return _run_backward(plan, g_out, g_lse, q, k, v, sinks, out, lse)
 
 
 _define("ring", f"{_QKV}, {_RING_OPTIONS}", "Tensor, Tensor", _ring_impl,
         lambda q, k, v, *options: _fake_out_lse(q, v))
-_define("ring_backward", f"{_GRADS_IN}, {_RING_OPTIONS}", "Tensor, Tensor, Tensor", _ring_backward_impl,
+_define("ring_backward", f"{_GRADS_IN}, {_RING_OPTIONS}", "Tensor, Tensor, Tensor, Tensor", _ring_backward_impl,
         _fake_grads)
 _Ring = _function("ring")
 
 
 def ring(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """`(out, lse)` of one `ring_attention` call, differentiable in q, k, v (and `sinks`) through both;
-    each rank merges the sinks into its own rows once, after the ring."""
-    return add_sinks(*_Ring.apply(q, k, v, *spec.op_args()), sinks)
+    each rank folds the sinks into its own rows once, after the ring."""
+    return _Ring.apply(q, k, v, sinks, *spec.op_args())

@@ -1,10 +1,15 @@
 """Learnable attention sinks (GPT-OSS's `s_aux`, FlashAttention-4's `learnable_sink`): one logit per
 query head whose `exp` joins every row's softmax denominator, with no value behind it.
 
-In lse terms a sink is one more state, output 0 and lse `sink[h]`, merged once into a call's finished
+In lse terms a sink is one more state, output 0 and lse `sink[h]`, folded once into a call's finished
 state: `lse' = logaddexp(lse, sink)`, `out' = out · exp(lse − lse')`. So sinks work on every backend and
-across the ring (each rank adds them to its own rows, once), and the returned lse includes the sink
+across the ring (each rank folds them into its own rows, once), and the returned lse includes the sink
 (FlashAttention-4's convention; CONVENTIONS.md §3). Rows that see no key give `out' = 0`, `lse' = sink`.
+
+The fold runs inside the attention ops (`ringlse.ops`), so their backward starts from the folded `out'`
+and `lse'`: the kernels' `P = exp(s − lse')` are then the probabilities with the sink, and the q/k/v
+gradients need nothing more. The sink's own gradient is `d sink = −Σ_rows p_sink · delta'`, with
+`p_sink = exp(sink − lse')` and `delta' = rowsum(dout · out') − dlse` (the kernels' delta).
 """
 
 from __future__ import annotations
@@ -25,48 +30,26 @@ def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor, what: str) -> str |
     return None
 
 
-def _weights(lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(lse', w, p)`: the merged lse, the weight `exp(lse − lse')` of the attention state and the
-    sink's `exp(sink − lse')`, with `w = 0` where lse is -inf and both 0 where the sink is -inf too."""
-    s = sinks.to(lse.dtype)[None, :, None].expand_as(lse)
-    merged = torch.logaddexp(lse, s)
-    finite = torch.isfinite(merged)
-    shift = torch.where(finite, merged, torch.zeros_like(merged))
-    w = torch.where(finite, torch.exp(lse - shift), torch.zeros_like(lse))
-    p = torch.where(finite, torch.exp(s - shift), torch.zeros_like(lse))
-    return merged, w, p
+def _sink_weight(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """`exp(sink − lse)` per row (`lse` `[b, h, s]`, with the sink folded in), 0 where lse is -inf."""
+    s = sinks.to(lse.dtype)[None, :, None]
+    return torch.where(torch.isfinite(lse), torch.exp(s - lse), torch.zeros_like(lse))
 
 
-class _Sinks(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, out, lse, sinks):
-        ctx.set_materialize_grads(False)
-        merged, w, p = _weights(lse, sinks)
-        ctx.save_for_backward(out, w, p, sinks)
-        return (out.to(w.dtype) * w.transpose(1, 2)[..., None]).to(out.dtype), merged
-
-    @staticmethod
-    def backward(ctx, g_out, g_lse):
-        out, w, p, sinks = ctx.saved_tensors
-        acc = w.dtype
-        d_out = d_lse = d_sinks = None
-        # with u = out·w: du/dlse = out·w·p and du/dsink = −out·w·p; dlse'/dlse = w, dlse'/dsink = p
-        coupled = torch.zeros_like(w)
-        if g_out is not None:
-            d_out = (g_out.to(acc) * w.transpose(1, 2)[..., None]).to(out.dtype)
-            coupled = (g_out.to(acc) * out.to(acc)).sum(-1).transpose(1, 2) * w * p
-        g_lse = torch.zeros_like(w) if g_lse is None else g_lse.to(acc)
-        if ctx.needs_input_grad[1]:
-            d_lse = coupled + g_lse * w
-        if ctx.needs_input_grad[2]:
-            d_sinks = (g_lse * p - coupled).sum((0, 2)).to(sinks.dtype)
-        return d_out, d_lse, d_sinks
-
-
-def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(out', lse')`: the finished state `out` `[b, s, h, d]`, `lse` `[b, h, s]` with the sinks merged
-    in once; differentiable in all three (`sinks` `[h]`, any float dtype, its gradient in its dtype)."""
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(out', lse')`: the finished state `out` `[b, s, h, d]`, `lse` `[b, h, s]` with the sinks `[h]`
+    folded in; `out` is scaled in place (one read and one write; a fresh tensor of the op's)."""
     if sinks is None:
         return out, lse
-    return _Sinks.apply(out, lse, sinks)
+    merged = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
+    # the attention state's weight exp(lse - lse') = 1 - p_sink; 0 on rows that saw no key
+    weight = torch.where(torch.isfinite(lse), torch.exp(lse - merged), torch.zeros_like(lse))
+    out.mul_(weight.transpose(1, 2)[..., None])
+    return out, merged
 
+
+def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """`d sinks` `[h]` in the sinks' dtype: `−Σ_{b, rows} exp(sink − lse') · delta'`, where `lse'` is the
+    folded lse and `delta'` `[b, h, s]` the backward's `rowsum(dout · out') − dlse`."""
+    return -(_sink_weight(lse, sinks) * delta.to(lse.dtype)).sum((0, 2)).to(sinks.dtype)

@@ -594,3 +594,33 @@ def host_check(rank, world, victim: int | None) -> dict:
         os._exit(0)
     got = _outcome(use_copy_engines, comm)
     return dict(got, same_host=comm.same_host, failed=comm.failed)
+
+
+def ring_features(rank, world, cases: list[dict]) -> list[str]:
+    """Rings with logit softcapping and a V head dim of its own on GPU ranks (`case`: backend, d, dv,
+    softcap, layout; bf16, causal, GQA 8/2), gathered and judged on rank 0 by CONVENTIONS.md §7 against the
+    float64 oracle of tests/test_kernels_softcap_dv.py (its bf16 run the baseline), with an lse gradient.
+    Returns rank 0's failures."""
+    from test_kernels_softcap_dv import _draw, _judge, causal_mask, oracle
+
+    failures = []
+    for case in cases:
+        s, d, dv, cap, layout = case["s"], case["d"], case["dv"], case["softcap"], case["layout"]
+        q, k, v, dout = _draw(1, s, s, 8, 2, d, dv, torch.bfloat16, rank_device(), seed=case["seed"])
+        dlse = torch.randn(1, 8, s, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(q.device)
+        local = [ringlse.shard(t, layout).detach().requires_grad_() for t in (q, k, v)]
+        out, lse = ringlse.ring_attention(*local, causal=True, layout=layout, softcap=cap, backend=case["backend"],
+                                          return_lse=True)
+        loss = (out.double() * ringlse.shard(dout, layout).double()).sum()
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0).double() * ringlse.shard(dlse, layout, dim=2)).sum()
+        grads = torch.autograd.grad(loss, local)
+        ours = [ringlse.unshard(t.detach(), layout, dim=dim) for t, dim in zip((out, lse, *grads), (1, 2, 1, 1, 1))]
+        if rank != 0:
+            continue
+        kw = dict(scale=d ** -0.5, softcap=cap, mask=causal_mask(s, s, 0, 0), dlse=dlse)
+        try:
+            _judge(ours, oracle(q, k, v, dout, **kw), oracle(q, k, v, dout, dtype=torch.bfloat16, **kw),
+                   torch.bfloat16)
+        except AssertionError as e:
+            failures.append(f"{case}: {e}")
+    return failures

@@ -133,3 +133,38 @@ def test_fa4_gpu_mask_args_match_the_rule(q_start, causal, window):
     b_out, b_lse = naive_attention(q, k, v, **rule)
     assert_judged("out", out, ref_out, b_out, torch.bfloat16)
     assert_judged("lse", lse, ref_lse, b_lse, torch.bfloat16, is_lse=True)
+
+
+# (d_qk, d_v, softcap, q_start, k_start): Gemma 2's cap, DeepSeek-V3's head dims, both; causal at offsets
+# where the first rows see nothing (FA4's two pieces) and an off-diagonal block (one call with a band)
+FEATURE_CASES = [
+    pytest.param((128, 128, 30.0, 0, 0), id="softcap-diagonal"),
+    pytest.param((128, 128, 50.0, 0, 9), id="softcap-empty-rows"),
+    pytest.param((192, 128, 0.0, 0, 0), id="dv-diagonal"),
+    pytest.param((192, 128, 0.0, 700, 300), id="dv-offset"),
+    pytest.param((192, 128, 30.0, 0, 9), id="dv-softcap-empty-rows"),
+]
+
+
+@gpu_fa4
+@pytest.mark.parametrize("case", FEATURE_CASES)
+def test_fa4_gpu_softcap_and_v_head_dim(case):
+    """`softcap` and Q/K 192 / V 128 go to FA4 natively: out, lse and gradients (with an lse gradient, the
+    ring's use) of a bf16 causal block at offsets, judged by CONVENTIONS.md §7 against the float64 oracle of
+    tests/test_kernels_softcap_dv.py (its bf16 run is the baseline)."""
+    from test_kernels_softcap_dv import _draw, _judge, causal_mask, oracle
+
+    d, dv, softcap, q_start, k_start = case
+    sq, sk, h, hkv = 1000, 1031, 4, 2
+    q, k, v, dout = _draw(1, sq, sk, h, hkv, d, dv, torch.bfloat16, "cuda", seed=sum(case[:2]))
+    dlse = torch.randn(1, h, sq, generator=torch.Generator().manual_seed(5), dtype=torch.float64).cuda()
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, lse = ringlse.block_attention(*leaves, causal=True, q_start=q_start, k_start=k_start, softcap=softcap,
+                                       backend="fa4")
+    loss = (out.double() * dout.double()).sum() + (torch.where(torch.isfinite(lse), lse, 0.0).double() * dlse).sum()
+    ours = [out, lse, *torch.autograd.grad(loss, leaves)]
+    mask = causal_mask(sq, sk, q_start, k_start)
+    kw = dict(scale=d ** -0.5, softcap=softcap, mask=mask, dlse=dlse)
+    ref, base = oracle(q, k, v, dout, **kw), oracle(q, k, v, dout, dtype=torch.bfloat16, **kw)
+    assert out.shape == (1, sq, h, dv)
+    _judge(ours, ref, base, torch.bfloat16)

@@ -6,6 +6,7 @@ backward (dq/dk/dv unsharded; d sinks summed over the ranks). One pool of ranks 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import head_parallel_workers as hw
 from dist_harness import RankPool, run_ranks
@@ -84,6 +85,27 @@ CASES6 = [
 @pytest.mark.parametrize("case", CASES6)
 def test_six_ranks_match_the_oracle(pool6, case):
     assert [f for fs in pool6.run(hw.match_oracle, case) for f in fs] == []
+
+
+# NCCL ranks on 4 GPUs, float32 through the `triton` op (and `fa4` in bf16 where it runs is left to the ring's
+# own GPU tests): the all-to-alls and the ring's transports on real devices
+GPU_CASES = [
+    dict(U=2, R=2, s=512, h=8, hkv=2, d=64, layout="zigzag", causal=True, sinks=True, seed=21),
+    dict(U=4, R=1, s=512, h=8, hkv=1, d=64, layout="contiguous", causal=True, window=(100, 0), seed=22),
+    dict(U=2, R=2, s=512, h=4, hkv=2, d=64, layout="balanced", causal=True, docs=[0, 37, 300, 512], seed=23),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_nccl_ranks_on_four_gpus_match_the_oracle(tmp_path):
+    """2x2 and 4x1 grids of NCCL ranks (one per GPU), float32 `triton`, causal, window, documents in the
+    balanced layout, sinks, GQA: within CONVENTIONS.md §7's float32 bound of the float64 oracle."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    cases = [dict(c, cuda=True, dtype=torch.float32, backend="triton") for c in GPU_CASES]
+    failures = run_ranks(hw.match_oracle_cases, 4, tmp_path, cases, timeout=400, backend="nccl")[0]
+    assert failures == []
 
 
 def test_heads_not_dividing_over_u_raise_the_same_error_on_every_rank(pool4):

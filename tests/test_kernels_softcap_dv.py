@@ -51,9 +51,9 @@ def window_intervals(sq, sk, offset, window, device):
     return bounds, mask
 
 
-def oracle(q, k, v, dout, *, scale, softcap, mask, dtype=torch.float64):
+def oracle(q, k, v, dout, *, scale, softcap, mask, dtype=torch.float64, dlse=None):
     """`(out, lse, dq, dk, dv)` of softcapped attention computed in `dtype` (float64: the reference; the
-    input dtype: the §7 baseline). Masked pairs get a huge finite negative score (exp gives exactly 0)
+    input dtype: the §7 baseline), under the loss `out·dout` (`+ lse·dlse` on finite lse with `dlse`). Masked pairs get a huge finite negative score (exp gives exactly 0)
     and rows that see nothing are set to (0, -inf) afterwards, so autograd never meets inf - inf."""
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     group = q.shape[2] // k.shape[2]
@@ -69,7 +69,10 @@ def oracle(q, k, v, dout, *, scale, softcap, mask, dtype=torch.float64):
         empty = ~mask.to(s.device).any(1)
         out = out.masked_fill(empty[None, :, None, None], 0.0)
         lse = lse.masked_fill(empty, float("-inf"))
-    (out * dout.to(dtype)).sum().backward()
+    loss = (out * dout.to(dtype)).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) * dlse.to(dtype)).sum()
+    loss.backward()
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 

@@ -91,6 +91,21 @@ MASKED = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["triton", "fa4"])
+def test_ring_gpu_softcap_and_v_head_dim(backend, tmp_path):
+    """Gemma 2's softcap and DeepSeek-V3's head dims (Q/K 192, V 128) in a bf16 ring of 2 GPUs, zigzag and
+    contiguous, forward and backward with an lse gradient, judged against the float64 oracle."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    if backend not in available_backends("cuda"):
+        pytest.skip(f"backend {backend} not available")
+    cases = [dict(s=2048, d=128, dv=128, softcap=30.0, layout="zigzag", seed=31, backend=backend),
+             dict(s=2048, d=192, dv=128, softcap=0.0, layout="contiguous", seed=32, backend=backend),
+             dict(s=2048, d=192, dv=128, softcap=30.0, layout="zigzag", seed=33, backend=backend)]
+    failures = run_ranks(rw.ring_features, 2, tmp_path, cases, timeout=400, backend="nccl")[0]
+    assert failures == [], "\n".join(failures)
+
+
 @pytest.mark.parametrize("transport", ["copy", "nccl"])
 @pytest.mark.parametrize("world", _world_sizes(), ids=lambda w: f"W{w}")
 def test_ring_gpu_windows_and_documents(world, transport, tmp_path, monkeypatch):

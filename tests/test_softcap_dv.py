@@ -166,11 +166,17 @@ def test_registry_lists_agree_with_the_ops():
             continue
         assert op.caps.softcap == (name in SOFTCAP_BACKENDS), name
         assert op.caps.v_head_dim == (name in V_HEAD_DIM_BACKENDS), name
-    for name in ("sdpa", "fa4", "fa2", "flash"):
+    for name in ("sdpa", "fa2", "flash"):
         why = backend_unavailable_reason(name, "cuda", torch.bfloat16, softcap=30.0)
-        assert "softcap 30" in why and "backends that take it: torch, triton" in why
+        assert "softcap 30" in why and "backends that take it: torch, triton, fa4" in why
         why = backend_unavailable_reason(name, "cuda", torch.bfloat16, head_dim=192, v_head_dim=128)
         assert "V head dim 128 differs from Q/K head dim 192" in why
+    # fa4 takes both (where FlashAttention-4 runs at all); other pairs of head dims it refuses by name
+    for features in (dict(softcap=30.0), dict(head_dim=192, v_head_dim=128)):
+        why = backend_unavailable_reason("fa4", "cuda", torch.bfloat16, **features)
+        assert why is None or ("softcap" not in why and "head dim" not in why), why
+    why = backend_unavailable_reason("fa4", "cuda", torch.bfloat16, head_dim=128, v_head_dim=64)
+    assert "(Q/K 128, V 64)" in why
     assert backend_unavailable_reason("torch", "cuda", torch.bfloat16, softcap=30.0, head_dim=192, v_head_dim=128) \
         is None
 

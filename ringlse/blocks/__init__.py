@@ -118,7 +118,7 @@ def backend_unavailable_reason(name: str, device: torch.device | str, dtype: tor
         takers = [n for n, entry in _BACKENDS.items() if entry[3] or n in _TAKES_WINDOW]
         return f"{name} does not take windows (backends that do: {', '.join(takers)})"
     if name == "fa4" and head_dim is not None:
-        refused = importlib.import_module("ringlse.blocks.fa4").head_dim_refused(head_dim)
+        refused = importlib.import_module("ringlse.blocks.fa4").head_dim_refused(head_dim, v_head_dim)
         if refused is not None:
             return refused
     if name == "fa2" and head_dim is not None and head_dim > 256:
@@ -176,7 +176,7 @@ def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torc
     newer, else `fa2`'s. A `BlockOp` is returned as it is (your own kernels, or a registry op on a
     device it is not offered for, such as `sdpa`'s CPU kernels in tests; it too is refused for a
     `softcap` > 0 or a `v_head_dim` other than `head_dim` its `Capabilities` do not take). With either,
-    only `SOFTCAP_BACKENDS` / `V_HEAD_DIM_BACKENDS` (`torch`, `triton`) qualify, `auto` included.
+    only `SOFTCAP_BACKENDS` / `V_HEAD_DIM_BACKENDS` (`torch`, `triton`, `fa4`) qualify, `auto` included.
 
     Raises:
         ValueError: unknown or unavailable backend, or one that does not compute `dtype`; the

@@ -18,7 +18,8 @@ flash-attn-4 4.0.0b36, by keyword:
   `j <= i + sk - sq [+ right]`), windows are `(left, right)` with None = unbounded (-1 is not
   "unbounded" there, except when both are negative); GQA is native (dk/dv come back with K/V's
   heads); fp16/bf16; head dims 8..256 in multiples of 8 on sm90 (8..128, (192, 128) or 256 on
-  sm100); the backward asserts sm90 or newer.
+  sm100); the backward asserts sm90 or newer. Both take `softcap` (forward None or > 0, backward 0 or
+  > 0) and a V head dim of its own (out, dout, dv have V's).
 
 What this module adds, on the shared driver of `ringlse.blocks.fused`:
 - causal blocks at any global offsets (CONVENTIONS.md §4): one call with FA4's right window bound where
@@ -28,7 +29,9 @@ What this module adds, on the shared driver of `ringlse.blocks.fused`:
 - the lse in ringlse's convention (`norm_lse`: `[b, h, sq]` float32, `-inf` on empty rows);
 - a backward that passes the lse gradient to FA4 as `dlse` (`bottom_right_block_op`);
 - head dims refused unless checked: FA4's sm90 backward gives a wrong dq for head dims 8, 16, 40, 48,
-  72, 80, 104 (mod 32 in {8, 16}; H200 and H100, 4.0.0b36; `VERIFIED_HEAD_DIMS`).
+  72, 80, 104 (mod 32 in {8, 16}; H200 and H100, 4.0.0b36; `VERIFIED_HEAD_DIMS`, and Q/K 192 with V 128
+  in `VERIFIED_HEAD_DIM_PAIRS`);
+- logit softcapping and a V head dim of its own passed to FA4 (`softcap=`).
 
 Windows and documents: the op takes windows as a rule (`takes_window`: `window_size=` with causal and
 the offsets, mapped to FA4's native bounds by `fa4_mask_args`), not per-row intervals (tensors: reading
@@ -117,21 +120,27 @@ def _interface():
 # 8, 16, 40, 48, 72, 80, 104 (head dim mod 32 in {8, 16}); the forward, dk and dv were right for all.
 # Head dims not checked (112, 120, 136 and up) are refused too: a wrong gradient is a silent wrong answer.
 VERIFIED_HEAD_DIMS = (24, 32, 56, 64, 88, 96, 128)
+# (Q/K, V) head dims that differ, checked the same way through ringlse (DeepSeek-V3's MLA, tests/test_fa4_gpu.py)
+VERIFIED_HEAD_DIM_PAIRS = ((192, 128),)
 
 
-def head_dim_refused(head_dim: int) -> str | None:
-    """Why the fa4 backend refuses `head_dim`, or None."""
-    if head_dim in VERIFIED_HEAD_DIMS:
+def head_dim_refused(head_dim: int, v_head_dim: int | None = None) -> str | None:
+    """Why the fa4 backend refuses Q/K head dim `head_dim` with V head dim `v_head_dim` (None: the same),
+    or None."""
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    if (head_dim == v_head_dim and head_dim in VERIFIED_HEAD_DIMS) or (head_dim, v_head_dim) in VERIFIED_HEAD_DIM_PAIRS:
         return None
-    return (f"the fa4 backend (FlashAttention-4 {WRITTEN_FOR}) takes head dims {list(VERIFIED_HEAD_DIMS)}, got "
-            f"{head_dim}: FA4's backward gave a wrong dq for head dims 8, 16, 40, 48, 72, 80, 104 on H200, and "
-            f"other dims are unchecked (the triton, sdpa and torch backends take it)")
+    dims = f"{head_dim}" if head_dim == v_head_dim else f"(Q/K {head_dim}, V {v_head_dim})"
+    return (f"the fa4 backend (FlashAttention-4 {WRITTEN_FOR}) takes head dims {list(VERIFIED_HEAD_DIMS)} and "
+            f"(Q/K, V) {list(VERIFIED_HEAD_DIM_PAIRS)}, got {dims}: FA4's backward gave a wrong dq for head dims "
+            f"8, 16, 40, 48, 72, 80, 104 on H200, and other dims are unchecked (the triton and torch backends take "
+            f"it{'' if head_dim != v_head_dim else ', and sdpa'})")
 
 
-def _check_dtype(q: torch.Tensor) -> None:
+def _check_inputs(q: torch.Tensor, v: torch.Tensor) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"the fa4 backend (FlashAttention-4) supports fp16/bf16 only, got {q.dtype}")
-    why = head_dim_refused(q.shape[-1])
+    why = head_dim_refused(q.shape[-1], v.shape[-1])
     if why is not None:
         raise ValueError(why)
 
@@ -152,20 +161,22 @@ def _mask_kwargs(causal: bool | Band) -> dict:
     return dict(causal=causal, window_size_left=None, window_size_right=None)
 
 
-def _fa4_forward(q, k, v, causal, scale):
-    """One FA4 forward call (causal: bottom-right, or a `Band`) -> `(out, lse)` in ringlse's lse convention."""
-    _check_dtype(q)
-    res = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, **_mask_kwargs(causal), return_lse=True)
+def _fa4_forward(q, k, v, causal, scale, softcap=0.0):
+    """One FA4 forward call (causal: bottom-right, or a `Band`; scores capped at `softcap` > 0) ->
+    `(out, lse)` in ringlse's lse convention."""
+    _check_inputs(q, v)
+    res = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, **_mask_kwargs(causal), return_lse=True,
+                                       **({"softcap": softcap} if softcap else {}))
     out, lse = res[0], res[1]
     return out, norm_lse(lse, q.shape[1])
 
 
-def _fa4_backward(dout, q, k, v, out, lse, causal, scale, dlse=None):
+def _fa4_backward(dout, q, k, v, out, lse, causal, scale, dlse=None, softcap=0.0):
     """One FA4 backward call with the global `out`/`lse` rows (and lse gradient `dlse`) -> `(dq, dk, dv)`."""
-    _check_dtype(q)
+    _check_inputs(q, v)
     dq, dk, dv = _interface()._flash_attn_bwd(
         q, k, v, out, dout, lse.float().contiguous(), softmax_scale=scale, **_mask_kwargs(causal),
-        dlse=None if dlse is None else dlse.float().contiguous(),
+        dlse=None if dlse is None else dlse.float().contiguous(), **({"softcap": softcap} if softcap else {}),
     )[:3]
     return dq, dk, dv
 
@@ -205,7 +216,7 @@ def split_causal_block_bottom_right(seqlen_q: int, seqlen_k: int, q_start: int, 
 
 def _native_lse_grad_parts(ks: KernelSet, dout, q, k, v, out, lse, delta, *, softmax_scale: float, causal: bool,
                            q_start: int, k_start: int, lse_grad: torch.Tensor | None = None,
-                           window_size: tuple[int, int] | None = None) -> BlockGrads:
+                           window_size: tuple[int, int] | None = None, softcap: float = 0.0) -> BlockGrads:
     """The block-op `backward_parts` for kernels whose backward takes the lse gradient (`dlse=`):
     one backward call per piece, gradients as the kernels return them. `delta` is not read.
     Its parameters are the block-op contract's (`ringlse.blocks.contract`), one per operand and mask argument."""
@@ -220,7 +231,8 @@ def _native_lse_grad_parts(ks: KernelSet, dout, q, k, v, out, lse, delta, *, sof
         for p in pieces:
             rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
             dq, dk, dv = ks.backward(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[:, :, rows],
-                                     p.causal, softmax_scale, dlse=None if e is None else e[:, :, rows])
+                                     p.causal, softmax_scale, dlse=None if e is None else e[:, :, rows],
+                                     **({"softcap": softcap} if softcap else {}))
             grads.dq.append(GradPart(p.q0, dq))
             grads.dk.append(GradPart(p.k0, dk))
             grads.dv.append(GradPart(p.k0, dv))
@@ -247,10 +259,11 @@ def bottom_right_block_op(name: str, forward: Callable, backward: Callable,
     """A block op over kernels with FlashAttention-4's conventions: `forward(q, k, v, causal, scale)
     -> (out, lse)`, `backward(dout, q, k, v, out, lse, causal, scale, dlse=None) -> (dq, dk, dv)`,
     causal bottom-right on any shape, native GQA; `causal_pieces` cuts causal blocks for them. Forward
-    (and `forward_parts`) run on the shared driver; backward passes the lse gradient to the kernels."""
+    (and `forward_parts`) run on the shared driver; backward passes the lse gradient to the kernels. Both
+    take `softcap=` and a V head dim of its own, as FlashAttention-4's do."""
     ks = KernelSet(forward=forward, backward=backward, native_gqa=True, causal_pieces=causal_pieces,
                    window_pieces=window_pieces)
-    caps = Capabilities(Masks.WINDOW if window_pieces is not None else Masks.PLAIN)
+    caps = Capabilities(Masks.WINDOW if window_pieces is not None else Masks.PLAIN, softcap=True, v_head_dim=True)
     return parts_block_op(name, partial(fused_block_forward, ks), partial(fused_block_states, ks),
                           partial(_native_lse_grad_parts, ks), caps)
 
@@ -288,6 +301,6 @@ FA4_KERNELS = KernelSet(forward=_fa4_forward, backward=_fa4_backward, native_gqa
 
 FA4_BLOCK_OP = bottom_right_block_op("fa4", _fa4_forward, _fa4_backward, fa4_causal_pieces, fa4_window_pieces)
 
-__all__ = ["FA4_BLOCK_OP", "FA4_KERNELS", "VERIFIED_HEAD_DIMS", "Band", "fa4_causal_pieces", "fa4_window_pieces",
+__all__ = ["FA4_BLOCK_OP", "FA4_KERNELS", "VERIFIED_HEAD_DIMS", "VERIFIED_HEAD_DIM_PAIRS", "Band", "fa4_causal_pieces", "fa4_window_pieces",
            "bottom_right_block_op", "fa4_mask_args",
            "head_dim_refused", "interface_missing", "split_causal_block_bottom_right"]

@@ -93,16 +93,19 @@ def fused_block_states(
     q_start: int,
     k_start: int,
     window_size: tuple[int, int] | None = None,
+    softcap: float = 0.0,
 ) -> list[StatePart]:
     """The block-op `forward_parts` (see `ringlse.blocks.contract`) over a family of fused kernels: one state
-    per piece of the block, as the kernels return it (`out` in q's dtype), never merged."""
+    per piece of the block, as the kernels return it (`out` in q's dtype), never merged; `softcap` > 0
+    only for kernels that take it (their op's `Capabilities.softcap`)."""
     h = q.shape[2]
     acc = lse_dtype(q.dtype)
     states = []
     with torch.no_grad():
         k, v = _expand_kv(ks, k, h), _expand_kv(ks, v, h)
         for p in block_pieces(ks, q.shape[1], k.shape[1], q_start, k_start, causal, window_size):
-            out, lse = ks.forward(q[:, p.q0 : p.q1], k[:, p.k0 : p.k1], v[:, p.k0 : p.k1], p.causal, softmax_scale)
+            out, lse = ks.forward(q[:, p.q0 : p.q1], k[:, p.k0 : p.k1], v[:, p.k0 : p.k1], p.causal, softmax_scale,
+                                  **({"softcap": softcap} if softcap else {}))
             states.append(StatePart(p.q0, out, lse.to(acc)))
     return states
 
@@ -120,14 +123,15 @@ def fused_block_forward(
     out_acc: torch.Tensor | None = None,
     lse_acc: torch.Tensor | None = None,
     window_size: tuple[int, int] | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The block-op forward (see `ringlse.blocks.contract`) over a family of fused kernels: the pieces' states
     merged in one pass (a lone whole piece, the common case, as it is) or into the accumulators.
     Its parameters are the block-op contract's (`ringlse.blocks.contract`), one per operand and mask argument."""
     states = fused_block_states(ks, q, k, v, softmax_scale=softmax_scale, causal=causal, q_start=q_start,
-                                k_start=k_start, window_size=window_size)
+                                k_start=k_start, window_size=window_size, softcap=softcap)
     if out_acc is None:
-        return merge_parts(q.shape, states, q.dtype, q.device, lse_dtype(q.dtype))
+        return merge_parts((*q.shape[:-1], v.shape[-1]), states, q.dtype, q.device, lse_dtype(q.dtype))
     with torch.no_grad():
         for p in states:
             rows = slice(p.start, p.start + p.out.shape[1])

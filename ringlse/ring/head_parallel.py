@@ -31,7 +31,6 @@ from ringlse.ring.comm import RingComm
 from ringlse.ring.entry import check_local, check_timeout
 from ringlse.ring.head_split import HeadSplit
 from ringlse.ring.layout import default_layout
-from ringlse.sinks import add_sinks
 from ringlse.specs import RingSpec, error_message, group_from_name
 
 _NAMES = ("q shape", "k shape", "v shape", "dtype", "ring group (rank, size)",
@@ -110,7 +109,7 @@ def _gather_inputs(packed: Tensor, q: Tensor, v: Tensor, split: HeadSplit) -> tu
 def head_parallel_ring(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, sinks: Tensor | None,
                        head_group: dist.ProcessGroup) -> tuple[Tensor, Tensor | None]:
     """`(out, lse)` of one head-parallel ring call over the ring `spec.group` and `head_group` (lse None
-    unless `spec.return_lse` or sinks need it): q `[b, n, h, d]`, k/v `[b, n, hkv, d]` of this rank's
+    unless `spec.return_lse`): q `[b, n, h, d]`, k/v `[b, n, hkv, d]` of this rank's
     piece (n = S / (R·U)), out `[b, n, h, d]`, lse `[b, h, n]`; differentiable in q, k, v and `sinks`."""
     comm = RingComm.for_group(head_group)
     comm.check_usable()
@@ -126,9 +125,11 @@ def head_parallel_ring(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, sinks: T
     phases = ("forward all-to-all of q/k/v", "backward all-to-all of dq/dk/dv")
     q2, k2, v2 = _gather_inputs(exchange(comm, limit, phases, packed)[0], q, v, split)
     ring_spec = dataclasses.replace(spec, head_split=(comm.rank, comm.world))
-    out2, lse2 = ops.ring(q2, k2, v2, ring_spec)
     b, n, size, hu = q.shape[0], q.shape[1], split.size, split.heads_per_rank
-    with_lse = spec.return_lse or sinks is not None
+    # this rank's query heads [u·h/U, (u+1)·h/U) fold their sinks in the ring's op, as the plain ring does
+    local_sinks = None if sinks is None else sinks[comm.rank * hu:(comm.rank + 1) * hu]
+    out2, lse2 = ops.ring(q2, k2, v2, ring_spec, local_sinks)
+    with_lse = spec.return_lse
     sends = [out2.reshape(b, size, n, -1).movedim(1, 0)]  # slot u: rank u's tokens, this rank's heads
     if with_lse:
         sends.append(lse2.reshape(b, hu, size, n).movedim(2, 0))
@@ -136,6 +137,4 @@ def head_parallel_ring(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, sinks: T
     got = exchange(comm, limit, phases, *sends)
     out = got[0].movedim(0, 2).reshape(b, n, q.shape[2], -1)
     lse = got[1].movedim(0, 1).reshape(b, q.shape[2], n) if with_lse else None
-    if sinks is not None:  # merged into this rank's rows of every head, as the plain ring does
-        out, lse = add_sinks(out, lse, sinks)
     return out, lse
