@@ -143,17 +143,18 @@ def _attn_fwd_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, stride_ls,
-    H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi, softcap,
+    H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi, softcap, Sinks,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ACCUM: tl.constexpr, DOT_PREC: tl.constexpr, INTERVALS: tl.constexpr,
-    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr, SINK: tl.constexpr,
 ):
     """Grid `(cdiv(SQ, BLOCK_M), B * H)`. `qk_scale` = softmax_scale * log2(e); Q/K have head dim HEAD_D,
     V/Out HEAD_DV; SOFTCAP (`softcap_mode`) caps the scores at `softcap`. With ACCUM, `Out`/`Lse`
     are the float32 running state, read and merged in place; otherwise fresh outputs. With INTERVALS
     (then not CAUSAL), query `i` sees the keys `[KeyLo[i], KeyHi[i])` (int32 `[SQ]`); otherwise
-    KeyLo/KeyHi are None."""
+    KeyLo/KeyHi are None. With SINK, `Sinks` (float32 `[H]`) are folded into every row's state once, as a
+    state of output 0 and lse `Sinks[head]` (`ringlse.sinks`)."""
     num_m = tl.num_programs(0)
     pid_m = tl.program_id(0)
     if CAUSAL or INTERVALS:
@@ -224,6 +225,9 @@ def _attn_fwd_kernel(
         old2 = tl.load(lse_ptrs, mask=m_ok, other=float("-inf")) * 1.4426950408889634
         o_old = tl.load(o_ptrs, mask=o_mask, other=0.0)
         m_i, l_i, acc = merge_fold(m_i, l_i, acc, old2, o_old, True)
+    if SINK:
+        sink2 = tl.load(Sinks + off_h + offs_m * 0) * 1.4426950408889634
+        m_i, l_i, acc = merge_fold(m_i, l_i, acc, sink2, tl.zeros_like(acc), True)
     # rows that saw nothing: (0, -inf), never 0/0
     lse2, out = merge_finish(m_i, l_i, acc, True)
     # (the same pointers as above under ACCUM; computed here, after the math, the plain forward's code
@@ -265,12 +269,13 @@ def _forward_impl(
     key_lo: torch.Tensor | None = None,
     key_hi: torch.Tensor | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Launch the forward kernel writing (or merging into, with `accum`) `out`/`lse` (the Hopper kernel
     where it applies, unless a `config` for this one is given). The caller has
     validated the arguments, made `softmax_scale >= 0` and `offset` a 32-bit `mask_offset`, and
     `sq, sk > 0`; with `key_lo`/`key_hi` (contiguous int32 `[sq]`), `causal` is False; `softcap >= 0`
-    (0: none)."""
+    (0: none); `sinks` (float32 contiguous `[h]`, not with `accum`) are folded into the state written."""
     b, sq, h, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     bd = block_d(d)
@@ -287,10 +292,10 @@ def _forward_impl(
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2),
-            h, h // hkv, sq, sk, offset, qk_scale, key_lo, key_hi, float(softcap),
+            h, h // hkv, sq, sk, offset, qk_scale, key_lo, key_hi, float(softcap), lse if sinks is None else sinks,
             HEAD_D=d, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=causal, ACCUM=accum, DOT_PREC=dot_precision(q.dtype), INTERVALS=intervals,
-            HEAD_DV=dv, BLOCK_DV=block_d(dv), SOFTCAP=cap_mode,
+            HEAD_DV=dv, BLOCK_DV=block_d(dv), SOFTCAP=cap_mode, SINK=sinks is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -301,7 +306,7 @@ def _forward_impl(
         # sm_90, bf16/fp16, head dims of FWD_HEAD_DIMS: the Gluon kernel (TMA, warp-specialized WGMMA), 1.2-1.3x
         # this one's speed on H200
         hopper_forward(q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, offset=offset, accum=accum,
-                       key_lo=key_lo, key_hi=key_hi, softcap=softcap)
+                       key_lo=key_lo, key_hi=key_hi, softcap=softcap, sinks=sinks)
         return
     key = (d, q.dtype, causal, accum, q.device.index, intervals, dv, cap_mode)
     # interval masks take the causal configs (masked tiles at the edges, like a causal block); the tiles
@@ -324,6 +329,7 @@ def attention_forward(
     key_hi: torch.Tensor | None = None,
     fresh: bool = False,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block attention forward (the forward of the block-op contract, `ringlse.blocks.contract`).
 
@@ -364,6 +370,9 @@ def attention_forward(
             allowed) and every row is written, the block's state in float32 (rows that see no key get
             `(0, -inf)`). The first block of a row range then costs what a plain forward costs, not a
             read of zeros and a merge.
+        sinks: optional `[h]` (any float dtype) learnable attention sinks, without accumulators: folded
+            into every row's state in the epilogue (`ringlse.sinks`; the lse includes them, rows that
+            see no key get `out = 0`, `lse = sinks[head]`).
 
     Returns:
         Without accumulators: `(out, lse)`, `out` `[b, sq, h, d_v]` in q's dtype and `lse` `[b, h, sq]`
@@ -391,6 +400,13 @@ def attention_forward(
     if out_acc is not None:
         check_state(out_acc, lse_acc, q, "attention_forward", v.shape[3])
     softcap_mode(softcap, q.dtype, "attention_forward")
+    if sinks is not None:
+        if out_acc is not None:
+            raise ValueError("attention_forward: sinks are folded into a finished state, not into accumulators")
+        if tuple(sinks.shape) != (h,) or sinks.device != q.device:
+            raise ValueError(f"attention_forward: sinks must be [{h}] on {q.device}, got {tuple(sinks.shape)} "
+                             f"on {sinks.device}")
+        sinks = sinks.detach().to(torch.float32).contiguous()
     if b * h * sq == 0 or sk == 0:
         # nothing to launch: no rows, or rows that see no key, whose state (0, -inf) merges to nothing
         if out_acc is not None:
@@ -399,6 +415,8 @@ def attention_forward(
                 lse_acc.fill_(float("-inf"))
             return out_acc, lse_acc
         out = torch.zeros_like(q) if v.shape[3] == d else q.new_zeros((b, sq, h, v.shape[3]))
+        if sinks is not None:  # rows that see no key: (0, sink)
+            return out, sinks[None, :, None].expand(b, h, sq).contiguous()
         return out, torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     scale = float(softmax_scale)
@@ -416,6 +434,6 @@ def attention_forward(
     _forward_impl(
         q, k, v, out, lse, softmax_scale=scale, causal=causal,
         offset=mask_offset(causal, sq, sk, q_start, k_start), accum=accum, key_lo=key_lo, key_hi=key_hi,
-        softcap=softcap,
+        softcap=softcap, sinks=sinks,
     )
     return out, lse

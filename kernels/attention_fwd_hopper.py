@@ -77,7 +77,7 @@ def _tile_coords(t, walk, BLOCK_M: gl.constexpr, LONGEST_FIRST: gl.constexpr):
     programs in flight read the same K/V (from L2). Causal and interval blocks: longest first across groups
     of heads (the longest query tile of each head of the group, then the next ones), so the work handed
     out last is short everywhere and few heads' K/V are read at a time."""
-    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL, LG_HEADS = walk
+    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL, LG_HEADS, Sinks = walk
     if LONGEST_FIRST:
         # groups of 2**LG_HEADS heads (a power of two that divides B * H: shifts, no division, no spills)
         first = (t // num_m) >> LG_HEADS << LG_HEADS
@@ -96,7 +96,7 @@ def _work_tile(t, walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl
                INTERVALS: gl.constexpr):
     """Work tile `t`: `(off_b, off_h, off_hk, m0, n_lo, full_lo, full_hi, n_tiles)`: key tiles from `n_lo`,
     those inside `[full_lo, full_hi)` unmasked."""
-    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL, LG_HEADS = walk
+    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL, LG_HEADS, Sinks = walk
     off_b, off_h, off_hk, m0 = _tile_coords(t, walk, BLOCK_M, CAUSAL or INTERVALS)
     if INTERVALS:
         n_lo, full_lo, full_hi, n_hi = interval_walk(KeyLo, KeyHi, m0, SQ, SK, BLOCK_M, BLOCK_N)
@@ -267,7 +267,7 @@ def _lse_rows(Lse, strides, off_b, off_h, rows):
 def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, qk_scale, softcap,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                   CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, TMA_STORE: gl.constexpr,
-                  STATE_TMA: gl.constexpr, SOFTCAP: gl.constexpr):
+                  STATE_TMA: gl.constexpr, SOFTCAP: gl.constexpr, SINK: gl.constexpr):
     """A consumer warpgroup's share of work tile `tile = (t, n_lo, full_lo, full_hi, n_tiles)` (the
     `count`-th of its program, its first K/V tile the `it`-th through the ring): its 64 query rows (the
     `WG`-th slice) through every key tile, then its own epilogue (the running state folded in with ACCUM;
@@ -275,7 +275,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     q_smem, k_smem, v_smem, flag_smem, st_smem, st_bar = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls = strides
-    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL, LG_HEADS = walk
+    num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, TOTAL, LG_HEADS, Sinks = walk
     t, n_lo, full_lo, full_hi, n_tiles = tile
     QK_CHUNKS: gl.constexpr = HEAD_D // q_smem.type.shape[2]  # (see `_load_tile`)
     STAGES: gl.constexpr = k_smem.type.shape[0] // QK_CHUNKS
@@ -409,6 +409,10 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
         old2 = gl.load(lse_ptrs, mask=m_ok, other=float("-inf")) * 1.4426950408889634
         o_old = gl.load(o_ptrs, mask=o_mask, other=0.0)
         m_o, l_o, acc = merge_fold(m_o, l_o, acc, old2, o_old, True)
+    if SINK:
+        # the sink: a state of output 0 and lse Sinks[head] (base e), folded once per row
+        sink2 = gl.load(Sinks + off_h + offs_mo * 0) * 1.4426950408889634
+        m_o, l_o, acc = merge_fold(m_o, l_o, acc, sink2, gl.zeros_like(acc), True)
     # rows that saw nothing: (0, -inf), never 0/0
     lse2, out = merge_finish(m_o, l_o, acc, True)
     if STATE_TMA:
@@ -438,7 +442,8 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
 def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, softcap,
                  WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                  CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, TMA_STORE: gl.constexpr,
-                 STATE_TMA: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SOFTCAP: gl.constexpr):
+                 STATE_TMA: gl.constexpr, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, SOFTCAP: gl.constexpr,
+                 SINK: gl.constexpr):
     """A consumer warpgroup: its program's work tiles one after the other (DYNAMIC: the ones the loader
     hands it)."""
     it = 0
@@ -449,7 +454,7 @@ def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, so
         while _peek(info, count) >= 0:
             it = _consume_tile(smem, bars, Out, o_desc, Lse, strides, _receive(info, count), it, count, walk,
                                qk_scale, softcap, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE,
-                               STATE_TMA, SOFTCAP)
+                               STATE_TMA, SOFTCAP, SINK)
             count += 1
     elif PERSISTENT:
         # (a tile index that is arithmetic on the program id keeps the walk out of registers: read from
@@ -458,7 +463,7 @@ def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, so
             _, _, _, _, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS)
             it = _consume_tile(smem, bars, Out, o_desc, Lse, strides, (t, n_lo, full_lo, full_hi, n_tiles), it,
                                count, walk, qk_scale, softcap, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS,
-                               ACCUM, TMA_STORE, STATE_TMA, SOFTCAP)
+                               ACCUM, TMA_STORE, STATE_TMA, SOFTCAP, SINK)
             count += 1
     else:
         # one tile: ring positions known at compile time (a loop of one ran 1.5-2% slower, d 128 causal)
@@ -466,7 +471,7 @@ def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, so
         _, _, _, _, n_lo, full_lo, full_hi, n_tiles = _work_tile(t, walk, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS)
         _consume_tile(smem, bars, Out, o_desc, Lse, strides, (t, n_lo, full_lo, full_hi, n_tiles), 0, 0, walk,
                       qk_scale, softcap, WG, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA,
-                      SOFTCAP)
+                      SOFTCAP, SINK)
     if STATE_TMA:
         # the last state store must have read its buffer before the program ends (persistent programs
         # wait only when the buffer is wanted again: the next tile's epilogue runs while it drains)
@@ -477,16 +482,17 @@ def _fwd_consume(smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, so
 def _attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, Out, Lse,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-    B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi, Counter, LG_HEADS, softcap,
+    B, H, GROUP, SQ, SK, OFFSET, qk_scale, KeyLo, KeyHi, Counter, LG_HEADS, softcap, Sinks,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, ACCUM: gl.constexpr, PERSISTENT: gl.constexpr,
     DYNAMIC: gl.constexpr, TMA_STORE: gl.constexpr, STATE_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    SOFTCAP: gl.constexpr,
+    SOFTCAP: gl.constexpr, SINK: gl.constexpr,
 ):
     """Persistent: `min(#SMs, work tiles)` programs walk the `cdiv(SQ, BLOCK_M) * B * H` work tiles
     round-robin, or (DYNAMIC) take them from `Counter` (int32, 0 at launch); else one program per work tile.
     Descriptors over `[B * S, heads * head dim]` views (Q's box 64 rows; V and O may have their own head
-    dim, from their descriptors). SOFTCAP (`softcap_mode`) caps the scores at `softcap`. `BLOCK_M / 64` consumer
+    dim, from their descriptors). SOFTCAP (`softcap_mode`) caps the scores at `softcap`; SINK folds `Sinks` (float32
+    `[H]`) into every row's state once (not with ACCUM). `BLOCK_M / 64` consumer
     warpgroups (the default partition and one or two workers, 4 warps each, which never wait for each
     other) and a loader warp; `num_warps` must be 4."""
     num_m = gl.cdiv(SQ, BLOCK_M)
@@ -538,16 +544,16 @@ def _attn_fwd_hopper_kernel(
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     strides = (stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls)
     descs = (q_desc, k_desc, v_desc)
-    walk = (num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, num_m * B * H, LG_HEADS)
+    walk = (num_m, H, GROUP, SQ, SK, OFFSET, KeyLo, KeyHi, Counter, num_m * B * H, LG_HEADS, Sinks)
     # (tuples built by `+` do not reach the partitions: every argument list is written out)
     if CONSUMERS == 2:
         gl.warp_specialize((
             (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, softcap, 0, BLOCK_M,
                             BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC,
-                            SOFTCAP)),
+                            SOFTCAP, SINK)),
             (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, softcap, 1, BLOCK_M,
                             BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC,
-                            SOFTCAP)),
+                            SOFTCAP, SINK)),
             (_fwd_load, (descs, smem, bars, info, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, PERSISTENT,
                          DYNAMIC)),
         ), [4, 1], [CONSUMER_REGS, 24])
@@ -556,13 +562,13 @@ def _attn_fwd_hopper_kernel(
         gl.warp_specialize((
             (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, softcap, 0, BLOCK_M,
                             BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC,
-                            SOFTCAP)),
+                            SOFTCAP, SINK)),
             (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, softcap, 1, BLOCK_M,
                             BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC,
-                            SOFTCAP)),
+                            SOFTCAP, SINK)),
             (_fwd_consume, (smem, bars, info, Out, o_desc, Lse, strides, walk, qk_scale, softcap, 2, BLOCK_M,
                             BLOCK_N, HEAD_D, CAUSAL, INTERVALS, ACCUM, TMA_STORE, STATE_TMA, PERSISTENT, DYNAMIC,
-                            SOFTCAP)),
+                            SOFTCAP, SINK)),
             (_fwd_load, (descs, smem, bars, info, walk, HEAD_D, BLOCK_M, BLOCK_N, CAUSAL, INTERVALS, PERSISTENT,
                          DYNAMIC)),
         ), [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -645,12 +651,14 @@ def hopper_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
     softmax_scale: float, causal: bool, offset: int, accum: bool, config: HopperConfig | None = None,
     key_lo: torch.Tensor | None = None, key_hi: torch.Tensor | None = None, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Launch the Hopper forward, writing (or merging into, with `accum`) `out`/`lse`. The caller has
     checked `hopper_forward_applies`, validated the arguments, made `softmax_scale >= 0` and `offset` a
     32-bit mask offset, and `sq, sk > 0`; with `key_lo`/`key_hi` (contiguous int32 `[sq]`, see
-    `attention_fwd.attention_forward`) `causal` is False; `softcap >= 0` (0: none). `config` (benchmarks
-    only) replaces the table's."""
+    `attention_fwd.attention_forward`) `causal` is False; `softcap >= 0` (0: none); `sinks` (float32
+    contiguous `[h]`, not with `accum`) are folded into the state written. `config` (benchmarks only)
+    replaces the table's."""
     b, sq, h, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     intervals = key_lo is not None
@@ -670,7 +678,7 @@ def hopper_forward(
         for i in range(b):
             hopper_forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], out[i:i + 1], lse[i:i + 1], softmax_scale=softmax_scale,
                            causal=causal, offset=offset, accum=accum, config=config, key_lo=key_lo, key_hi=key_hi,
-                           softcap=softcap)
+                           softcap=softcap, sinks=sinks)
         return
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     descs = []
@@ -697,10 +705,11 @@ def hopper_forward(
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         b, h, h // hkv, sq, sk, offset, softmax_scale * 1.4426950408889634, key_lo, key_hi,
         torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse,
-        heads_log2(b * h, sk * (d + dv) * k.element_size()), float(softcap),
+        heads_log2(b * h, sk * (d + dv) * k.element_size()), float(softcap), lse if sinks is None else sinks,
         HEAD_D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, CAUSAL=causal, INTERVALS=intervals, ACCUM=accum,
         PERSISTENT=persistent, DYNAMIC=dynamic, TMA_STORE=tma_store, STATE_TMA=state_tma, CONSUMER_REGS=regs,
-        SOFTCAP=softcap_mode(softcap, q.dtype, "hopper_forward"), num_warps=4, maxnreg=maxnreg,
+        SOFTCAP=softcap_mode(softcap, q.dtype, "hopper_forward"), SINK=sinks is not None, num_warps=4,
+        maxnreg=maxnreg,
     )
 
 

@@ -13,6 +13,7 @@ from ringlse.checks import check_qkv, check_scale, lse_dtype
 from ringlse.mask_calls import rule_calls
 from ringlse.masks import Rule, check_docs
 from ringlse.merge import PartSum
+from ringlse.sinks import fold_sinks
 from ringlse.specs import AttentionSpec, backend_from_name
 
 
@@ -26,15 +27,20 @@ class _CallPlan:
     def __init__(self, op: BlockOp, scale: float, calls: list[BlockCall], softcap: float = 0.0):
         self.op, self.scale, self.calls, self.softcap = op, scale, calls, softcap
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, sinks=None):
+        """`(out, lse)` of the calls, `sinks` `[h]` folded in (by the kernel of a lone call whose op takes
+        them, else afterwards: `ringlse.sinks`)."""
         sq = q.shape[1]
         if len(self.calls) == 1 and self.calls[0][:4] == (0, sq, 0, k.shape[1]):
-            return self.op.forward(q, k, v, **self.calls[0].args(self.scale, self.softcap).kwargs())
+            kwargs = self.calls[0].args(self.scale, self.softcap).kwargs()
+            if sinks is not None and self.op.caps.sinks:
+                return self.op.forward(q, k, v, **kwargs, sinks=sinks)
+            return fold_sinks(*self.op.forward(q, k, v, **kwargs), sinks)
         state = StateRows((*q.shape[:3], v.shape[-1]), lse_dtype(q.dtype), q.device)
         for c in self.calls:
             state.add(self.op, q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1], c.q0, c.q1,
                       **c.args(self.scale, self.softcap).kwargs())
-        return state.result()
+        return fold_sinks(*state.result(), sinks)
 
     def backward(self, dout, q, k, v, out, lse, delta, lse_grad):
         acc = lse_dtype(q.dtype)

@@ -53,9 +53,8 @@ def _fake_out_lse(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return q.new_empty((b, n, h, v.shape[-1])), q.new_empty((b, h, n), dtype=lse_dtype(q.dtype))
 
 
-def _finish(out: Tensor, lse: Tensor, q: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
-    """A plan's `(out, lse)` as the op returns them: sinks folded in, `out` in q's dtype."""
-    out, lse = fold_sinks(out, lse, sinks)
+def _finish(out: Tensor, lse: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
+    """A plan's `(out, lse)` as the op returns them: `out` in q's dtype."""
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
@@ -128,7 +127,7 @@ def _attend_plan(q: Tensor, k: Tensor, v: Tensor, args: tuple):
 
 def _attend_impl(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, *args) -> tuple[Tensor, Tensor]:
     """`(out, lse)` of one single-device call (`AttentionSpec.op_args` after q, k, v, sinks)."""
-    return _finish(*_attend_plan(q, k, v, args).forward(q, k, v), q, sinks)
+    return _finish(*_attend_plan(q, k, v, args).forward(q, k, v, sinks), q)
 
 
 def _attend_backward_impl(g_out, g_lse, q, k, v, sinks, out, lse, *args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -164,7 +163,8 @@ def _ring_plan(q: Tensor, k: Tensor, v: Tensor, args: tuple, agree: bool):
 
 def _ring_impl(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, *args) -> tuple[Tensor, Tensor]:
     """`(out, lse)` of `ring_attention` over the process group named in `args` (`RingSpec.op_args`)."""
-    return _finish(*_ring_plan(q, k, v, args, agree=True).forward(q, k, v), q, sinks)
+    # each rank folds the sinks into its own rows once, after the ring
+    return _finish(*fold_sinks(*_ring_plan(q, k, v, args, agree=True).forward(q, k, v), sinks), q)
 
 
 def _ring_backward_impl(g_out, g_lse, q, k, v, sinks, out, lse, *args) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -214,3 +214,46 @@ def test_compiled_sinks_equal_eager():
     got_g = torch.autograd.grad((got[0] * dout).sum() + (got[1] * dlse).sum(), leaves)
     for a, b in zip((*got, *got_g), (*ref, *ref_g)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,causal,q_start", [(128, True, 0), (128, False, 0), (64, True, 0), (64, False, 0),
+                                              (128, True, -100)], ids=["d128-causal", "d128-full", "d64-causal",
+                                                                         "d64-full", "d128-empty-rows"])
+def test_gpu_kernel_fold_equals_the_fold_after(d, causal, q_start):
+    """On the GPU the triton kernels fold the sinks in their epilogue (the Hopper kernels on sm_90): the
+    same state as the plain call with the sinks folded in afterwards (`ringlse.sinks.fold_sinks`, tested
+    against the oracle above), to bf16 rounding of out and float32 rounding of lse; rows that see no key
+    give (0, sink)."""
+    from ringlse.sinks import fold_sinks
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 1031, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, 2, 2))
+    sinks = torch.randn(8, device="cuda", generator=g) * 3
+    from ringlse.kernels.attention_fwd import attention_forward
+
+    kw = dict(softmax_scale=d ** -0.5, causal=causal, q_start=q_start, k_start=0)
+    out, lse = attention_forward(q, k, v, sinks=sinks, **kw)
+    plain, plain_lse = attention_forward(q, k, v, **kw)
+    ref, ref_lse = fold_sinks(plain.float(), plain_lse, sinks)
+    assert (out.float() - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    if q_start < 0:  # the first 100 rows see no key
+        assert (out[:, :100] == 0).all() and torch.equal(lse[:, :, :100], sinks[None, :, None].expand(2, 8, 100))
+
+
+def test_interpreted_kernel_fold_equals_the_fold_after():
+    """The portable kernel's epilogue fold under Triton's interpreter (float32), rows without keys included."""
+    from ringlse.sinks import fold_sinks
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 40, h, 16, generator=g) for h in (4, 2, 2))
+    sinks = torch.tensor([0.5, -2.0, float("-inf"), 3.0])
+    from ringlse.kernels.attention_fwd import attention_forward
+
+    kw = dict(softmax_scale=0.25, causal=True, q_start=-10, k_start=0)
+    out, lse = attention_forward(q, k, v, sinks=sinks, **kw)
+    ref, ref_lse = fold_sinks(*attention_forward(q, k, v, **kw), sinks)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-6)
+    assert (out[:, :10] == 0).all() and torch.isneginf(lse[:, 2]).sum() == 10

@@ -90,6 +90,9 @@ class Capabilities:
     softcap: bool = False
     # v may have a head dim other than q/k's (out, dout, dv and out accumulators then have v's)
     v_head_dim: bool = False
+    # forward without accumulators takes `sinks=` `[h]` and returns its state with them folded in
+    # (`ringlse.sinks`), in the kernel's epilogue instead of a pass over the output afterwards
+    sinks: bool = False
 
 
 @dataclass(frozen=True)

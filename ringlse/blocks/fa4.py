@@ -19,7 +19,8 @@ flash-attn-4 4.0.0b36, by keyword:
   "unbounded" there, except when both are negative); GQA is native (dk/dv come back with K/V's
   heads); fp16/bf16; head dims 8..256 in multiples of 8 on sm90 (8..128, (192, 128) or 256 on
   sm100); the backward asserts sm90 or newer. Both take `softcap` (forward None or > 0, backward 0 or
-  > 0) and a V head dim of its own (out, dout, dv have V's).
+  > 0) and a V head dim of its own (out, dout, dv have V's); the sm90 backward takes GQA only with equal
+  head dims (it asserts so), so K/V are repeated per query head for it there.
 
 What this module adds, on the shared driver of `ringlse.blocks.fused`:
 - causal blocks at any global offsets (CONVENTIONS.md §4): one call with FA4's right window bound where
@@ -174,10 +175,16 @@ def _fa4_forward(q, k, v, causal, scale, softcap=0.0):
 def _fa4_backward(dout, q, k, v, out, lse, causal, scale, dlse=None, softcap=0.0):
     """One FA4 backward call with the global `out`/`lse` rows (and lse gradient `dlse`) -> `(dq, dk, dv)`."""
     _check_inputs(q, v)
+    h, hkv = q.shape[2], k.shape[2]
+    group = h // hkv if q.shape[-1] != v.shape[-1] else 1
+    if group > 1:  # FA4's sm90 backward takes GQA only with equal head dims: K/V repeated per query head
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     dq, dk, dv = _interface()._flash_attn_bwd(
         q, k, v, out, dout, lse.float().contiguous(), softmax_scale=scale, **_mask_kwargs(causal),
         dlse=None if dlse is None else dlse.float().contiguous(), **({"softcap": softcap} if softcap else {}),
     )[:3]
+    if group > 1:  # the repeated heads' gradients summed back per K/V head, in float32
+        dk, dv = (g.unflatten(2, (hkv, group)).sum(3, dtype=torch.float32) for g in (dk, dv))
     return dq, dk, dv
 
 

@@ -35,5 +35,6 @@ def triton_block_backward(dout, q, k, v, out, lse, delta, *, intervals: Interval
 
 TRITON_BLOCK_OP = BlockOp("triton", triton_block_forward, triton_block_backward,
                           Capabilities(Masks.INTERVALS, split_backward=True, writes_fresh=True,
-                                       dq_with_dkdv=_bwd.dq_with_dkdv, softcap=True, v_head_dim=True),
+                                       dq_with_dkdv=_bwd.dq_with_dkdv, softcap=True, v_head_dim=True,
+                                       sinks=True),
                           delta=_bwd.attention_delta)
