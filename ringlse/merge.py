@@ -47,6 +47,11 @@ class StatePart(NamedTuple):
     lse: torch.Tensor
 
 
+def _kernels(name: str, device: torch.device | str):
+    """The Triton kernels `name` for results on `device` (CUDA), else None (the PyTorch path)."""
+    return kernel_module(name) if torch.device(device).type == "cuda" else None
+
+
 def merge_parts(
     shape: Sequence[int], parts: Sequence[StatePart], dtype: torch.dtype, device: torch.device | str,
     acc_dtype: torch.dtype,
@@ -70,10 +75,16 @@ def merge_parts(
         p = parts[0]
         if p.start == 0 and tuple(p.out.shape) == tuple(shape) and p.out.dtype == dtype and p.lse.dtype == acc_dtype:
             return p.out.contiguous(), p.lse.contiguous()
-    kernel = kernel_module("merge_parts") if torch.device(device).type == "cuda" else None
+    kernel = _kernels("merge_parts", device)
     if kernel is not None and acc_dtype == torch.float32 and dtype in _KERNEL_DTYPES and parts and all(
         p.out.dtype in _KERNEL_DTYPES and p.lse.dtype == torch.float32 for p in parts
     ):
+        while len(parts) > kernel.MAX_PARTS:  # a launch takes MAX_PARTS: the first ones merged in float32 first
+            head = kernel.merge_parts_into(torch.empty(tuple(shape), dtype=torch.float32, device=device),
+                                           torch.empty((b, h, n), dtype=acc_dtype, device=device),
+                                           [(p.start, p.out.contiguous(), p.lse.contiguous())
+                                            for p in parts[:kernel.MAX_PARTS]])
+            parts = [StatePart(0, *head), *parts[kernel.MAX_PARTS:]]
         out = torch.empty(tuple(shape), dtype=dtype, device=device)
         lse = torch.empty((b, h, n), dtype=acc_dtype, device=device)
         return kernel.merge_parts_into(out, lse, [(p.start, p.out.contiguous(), p.lse.contiguous()) for p in parts])
@@ -106,10 +117,14 @@ def sum_parts(
         p = parts[0]
         if p.start == 0 and p.scale == 1.0 and p.value.dtype == dtype and tuple(p.value.shape) == tuple(shape):
             return p.value.contiguous()
-    kernel = kernel_module("sum_parts") if torch.device(device).type == "cuda" else None
+    kernel = _kernels("sum_parts", device)
     if kernel is not None and acc_dtype == torch.float32 and dtype in _KERNEL_DTYPES and parts and all(
         p.value.dtype in _KERNEL_DTYPES for p in parts
     ):
+        while len(parts) > kernel.MAX_PARTS:  # a launch takes MAX_PARTS: the first ones summed in float32 first
+            first = [(p.start, p.value.contiguous(), p.scale) for p in parts[:kernel.MAX_PARTS]]
+            head = kernel.sum_parts_into(torch.empty(tuple(shape), dtype=torch.float32, device=device), first)
+            parts = [GradPart(0, head), *parts[kernel.MAX_PARTS:]]
         out = torch.empty(tuple(shape), dtype=dtype, device=device)
         return kernel.sum_parts_into(out, [(p.start, p.value.contiguous(), p.scale) for p in parts])
     out = torch.zeros(tuple(shape), dtype=acc_dtype, device=device)

@@ -79,3 +79,31 @@ def test_part_sum_folds_and_keeps_accumulator():
 def test_part_sum_without_parts_is_zero():
     got = PartSum((1, 3, 2, 4), torch.float32, torch.device("cpu")).result(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and not got.any()
+
+
+def test_part_sum_with_an_accumulator_and_a_full_fold_on_the_kernel(monkeypatch):
+    """The kernel path (Triton's interpreter on CPU, compiled on GPU) with more parts than one launch takes:
+    seven parts, then an accumulator, then more (the fold then holds nine: it launches twice). This is
+    what a packed-documents ring's dk/dv sum met with `fa4` (`sum_parts_into: ... got 9`)."""
+    pytest.importorskip("triton")
+    import ringlse.merge as merge
+    from ringlse.kernel_import import kernel_module
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(merge, "_kernels", lambda name, dev: kernel_module(name))
+    b, s, h, d = 1, 40, 2, 8
+    total = PartSum((b, s, h, d), torch.float32, device)
+    spec = [((3 * i) % 30, 10, torch.float32, 1.0 if i % 3 else 0.5) for i in range(MAX_PENDING + 3)]
+    parts = _parts(b, h, d, spec, seed=2)
+    for i, p in enumerate(parts):
+        total.add(GradPart(0, p.value.to(device), p.scale), offset=p.start)
+        if i == MAX_PENDING - 2:
+            total.accumulator()[:, 1:3] += 1.0
+    want = _expected(b, s, h, d, parts)
+    want[:, 1:3] += 1.0
+    torch.testing.assert_close(total.result(torch.float32).cpu().double(), want, rtol=1e-5, atol=1e-5)
+    # and sum_parts itself with twice a launch's parts
+    many = _parts(b, h, d, [(i, 20, torch.float32, 1.0) for i in range(2 * MAX_PENDING + 1)], seed=3)
+    got = sum_parts((b, s, h, d), [GradPart(p.start, p.value.to(device)) for p in many], torch.float32, device,
+                    torch.float32)
+    torch.testing.assert_close(got.cpu().double(), _expected(b, s, h, d, many), rtol=1e-5, atol=1e-5)

@@ -123,3 +123,19 @@ def test_no_parts_is_empty_state():
     out, lse = StateMerge((1, 3, 2, 4), torch.float32, torch.device("cpu")).result(torch.bfloat16)
     assert out.dtype == torch.bfloat16 and (out == 0).all() and torch.isneginf(lse).all()
     assert not math.isnan(out.float().sum().item())
+
+
+def test_merge_parts_with_more_parts_than_a_launch_takes(monkeypatch):
+    """The kernel path (interpreter on CPU, compiled on GPU) with 2 x MAX_PENDING + 1 parts: merged in
+    launches of MAX_PENDING through a float32 state, exactly as one merge."""
+    pytest.importorskip("triton")
+    import ringlse.merge as merge
+    from ringlse.kernel_import import kernel_module
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(merge, "_kernels", lambda name, dev: kernel_module(name))
+    b, s, h, d = 1, 30, 2, 8
+    parts = _parts(b, h, d, [(i, 12, torch.float32) for i in range(2 * MAX_PENDING + 1)], seed=5)
+    got = merge_parts((b, s, h, d), [StatePart(p.start, p.out.to(device), p.lse.to(device)) for p in parts],
+                      torch.float32, device, torch.float32)
+    _check([t.cpu() for t in got], _expected(b, s, h, d, parts), torch.float32)
