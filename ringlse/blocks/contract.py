@@ -140,7 +140,9 @@ class AttentionPlan(Protocol):
     op: BlockOp
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(out, lse)` of the whole call (`out` in any float dtype: cast to q's)."""
+        """`(out, lse)` of the whole call (`out` in any float dtype: cast to q's). The single-device plan
+        also takes `sinks` and returns the state with them folded in (`ringlse.sinks`); the ring's op
+        folds them after its plan."""
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, delta: torch.Tensor | None, lse_grad: torch.Tensor | None
