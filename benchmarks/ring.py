@@ -196,31 +196,34 @@ def mask_inputs(s: int, world: int) -> dict[str, dict]:
 
 
 def plot(records: list[dict], path: Path, world: int, gpu: str) -> None:
+    series: dict[str, list] = {}
+    for r in records:
+        if r["mode"] != "fwd+bwd" or r["kv_heads"] != r["heads"] or r.get("ms") is None or "mask" in r:
+            continue
+        series.setdefault(f"{r['impl']} {'causal' if r['causal'] else 'full'}", []).append(r)
+    plot_series(series, ("ring efficiency (fwd+bwd)", "TFLOP/s per GPU (fwd+bwd)"),
+                f"{world}x {gpu}, batch 1, 32 heads, head dim 128, bf16", path, legend_size=8)
+
+
+def plot_series(series: dict[str, list[dict]], titles: tuple[str, str], suptitle: str, path: Path,
+                legend_size: int) -> None:
+    """Efficiency (left) and TFLOP/s per GPU (right) of each series of records over the total sequence
+    length (log 2): PyTorch's dashed, masked ones (a `[...]` in the key) as crosses; the figure saved."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_e, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
-    series: dict[str, list] = {}
-    for r in records:
-        if r["mode"] != "fwd+bwd" or r["kv_heads"] != r["heads"] or r.get("ms") is None or "mask" in r:
-            continue
-        key = f"{r['impl']} {'causal' if r['causal'] else 'full'}"
-        series.setdefault(key, []).append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for key, rs in sorted(series.items()):
-        rs.sort(key=lambda r: r["seqlen"])
+        rs = sorted(rs, key=lambda r: r["seqlen"])
         xs = [r["seqlen"] for r in rs]
-        style = "--" if key.startswith("torch") else "-"
-        ax_e.plot(xs, [r["efficiency"] for r in rs], style, marker="o", label=key)
-        ax_t.plot(xs, [r["tflops_per_gpu"] for r in rs], style, marker="o", label=key)
-    finish_plot(fig, ((ax_e, "ring efficiency (fwd+bwd)"), (ax_t, "TFLOP/s per GPU (fwd+bwd)")),
-                f"{world}x {gpu}, batch 1, 32 heads, head dim 128, bf16", path, legend_size=8)
-
-
-def finish_plot(fig, axes_titles, suptitle: str, path: Path, legend_size: int) -> None:
-    """Axes over the total sequence length (log 2), titled, gridded, with legends; the figure saved."""
-    for ax, title in axes_titles:
+        style = "--" if key.startswith("torch") else ("" if "[" in key else "-")
+        for ax, field in zip(axes, ("efficiency", "tflops_per_gpu")):
+            ys = [r[field] for r in rs]
+            if all(y is not None for y in ys):
+                ax.plot(xs, ys, style, marker="x" if "[" in key else "o", label=key)
+    for ax, title in zip(axes, titles):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("total sequence length")
         ax.set_title(title)

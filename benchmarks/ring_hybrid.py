@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ring import (attention_flops, bench_context_parallel, bench_ring_call, bench_sdpa_single, bench_single,
-                  finish_plot, mask_inputs)
+                  mask_inputs, plot_series)
 from timing import environment
 
 MODE = "fwd+bwd"
@@ -72,25 +72,11 @@ def with_ratios(records: list[dict]) -> list[dict]:
 
 
 def plot(records: list[dict], path: Path, world: int, gpu: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_e, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
     series: dict[str, list] = {}
     for r in records:
         if r.get("ms") is not None:
             series.setdefault(r["impl"] + (f" [{r['mask']}]" if r.get("mask") else ""), []).append(r)
-    for key, rs in sorted(series.items()):
-        rs.sort(key=lambda r: r["seqlen"])
-        xs = [r["seqlen"] for r in rs]
-        style = "--" if key.startswith("torch") else ("" if "[" in key else "-")
-        for ax, field in ((ax_e, "efficiency"), (ax_t, "tflops_per_gpu")):
-            ys = [r[field] for r in rs]
-            if all(y is not None for y in ys):
-                ax.plot(xs, ys, style, marker="x" if "[" in key else "o", label=key)
-    finish_plot(fig, ((ax_e, "efficiency (causal fwd+bwd)"), (ax_t, "TFLOP/s per GPU (causal fwd+bwd)")),
+    plot_series(series, ("efficiency (causal fwd+bwd)", "TFLOP/s per GPU (causal fwd+bwd)"),
                 f"head parallelism x ring, {world}x {gpu}, batch 1, 32 heads, head dim 128, bf16", path, legend_size=7)
 
 
