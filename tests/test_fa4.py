@@ -603,6 +603,18 @@ def test_bottom_right_op_exact_in_float64(case):
                             k_start=k_start)
 
 
+def test_kernels_without_the_features_are_refused_them_by_name():
+    """A bottom-right op over kernels that take no softcap nor a V head dim of its own (this stand-in)
+    says so, and is refused both by name; FA4's op takes them."""
+    assert F64_OP.caps.softcap is False and F64_OP.caps.v_head_dim is False
+    assert block_fa4.FA4_BLOCK_OP.caps.softcap and block_fa4.FA4_BLOCK_OP.caps.v_head_dim
+    q = torch.randn(1, 8, 2, 16, dtype=F64)
+    with pytest.raises(ValueError, match="softcap 30"):
+        ringlse.attention(q, q, q, softcap=30.0, backend=F64_OP)
+    with pytest.raises(ValueError, match="V head dim 8 differs from Q/K head dim 16"):
+        ringlse.attention(q, q, q[..., :8], backend=F64_OP)
+
+
 def test_native_lse_gradient_equals_the_drivers_term():
     """dlse passed to the kernels = the shared driver's generic lse-gradient term (float64)."""
     b, sq, sk, h, hkv, d, q_start, k_start = 1, 50, 40, 4, 2, 16, 30, 0

@@ -59,9 +59,10 @@ from ringlse.merge import GradPart
 
 WRITTEN_FOR = "4.0.0b36"
 # the keyword arguments we pass; a release without one of them is refused by name
-_FWD_ARGS = ("q", "k", "v", "softmax_scale", "causal", "window_size_left", "window_size_right", "return_lse")
+_FWD_ARGS = ("q", "k", "v", "softmax_scale", "causal", "window_size_left", "window_size_right", "return_lse",
+             "softcap")
 _BWD_ARGS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "window_size_left",
-             "window_size_right", "dlse")
+             "window_size_right", "dlse", "softcap")
 
 
 def _params(fn: Callable) -> set[str] | None:
@@ -167,7 +168,7 @@ def _fa4_forward(q, k, v, causal, scale, softcap=0.0):
     `(out, lse)` in ringlse's lse convention."""
     _check_inputs(q, v)
     res = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, **_mask_kwargs(causal), return_lse=True,
-                                       **({"softcap": softcap} if softcap else {}))
+                                       softcap=softcap or None)
     out, lse = res[0], res[1]
     return out, norm_lse(lse, q.shape[1])
 
@@ -181,7 +182,7 @@ def _fa4_backward(dout, q, k, v, out, lse, causal, scale, dlse=None, softcap=0.0
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     dq, dk, dv = _interface()._flash_attn_bwd(
         q, k, v, out, dout, lse.float().contiguous(), softmax_scale=scale, **_mask_kwargs(causal),
-        dlse=None if dlse is None else dlse.float().contiguous(), **({"softcap": softcap} if softcap else {}),
+        dlse=None if dlse is None else dlse.float().contiguous(), softcap=softcap,
     )[:3]
     if group > 1:  # the repeated heads' gradients summed back per K/V head, in float32
         dk, dv = (g.unflatten(2, (hkv, group)).sum(3, dtype=torch.float32) for g in (dk, dv))
@@ -262,15 +263,16 @@ def fa4_window_pieces(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int, 
 
 def bottom_right_block_op(name: str, forward: Callable, backward: Callable,
                           causal_pieces: Callable = split_causal_block_bottom_right,
-                          window_pieces: Callable | None = None) -> BlockOp:
+                          window_pieces: Callable | None = None, features: bool = False) -> BlockOp:
     """A block op over kernels with FlashAttention-4's conventions: `forward(q, k, v, causal, scale)
     -> (out, lse)`, `backward(dout, q, k, v, out, lse, causal, scale, dlse=None) -> (dq, dk, dv)`,
     causal bottom-right on any shape, native GQA; `causal_pieces` cuts causal blocks for them. Forward
-    (and `forward_parts`) run on the shared driver; backward passes the lse gradient to the kernels. Both
-    take `softcap=` and a V head dim of its own, as FlashAttention-4's do."""
+    (and `forward_parts`) run on the shared driver; backward passes the lse gradient to the kernels. With
+    `features`, both also take `softcap=` and a V head dim of its own (FlashAttention-4's do)."""
     ks = KernelSet(forward=forward, backward=backward, native_gqa=True, causal_pieces=causal_pieces,
                    window_pieces=window_pieces)
-    caps = Capabilities(Masks.WINDOW if window_pieces is not None else Masks.PLAIN, softcap=True, v_head_dim=True)
+    caps = Capabilities(Masks.WINDOW if window_pieces is not None else Masks.PLAIN, softcap=features,
+                        v_head_dim=features)
     return parts_block_op(name, partial(fused_block_forward, ks), partial(fused_block_states, ks),
                           partial(_native_lse_grad_parts, ks), caps)
 
@@ -306,7 +308,8 @@ def fa4_mask_args(seqlen_q: int, seqlen_k: int, q_start: int, k_start: int, caus
 FA4_KERNELS = KernelSet(forward=_fa4_forward, backward=_fa4_backward, native_gqa=True,
                         causal_pieces=fa4_causal_pieces, window_pieces=fa4_window_pieces)
 
-FA4_BLOCK_OP = bottom_right_block_op("fa4", _fa4_forward, _fa4_backward, fa4_causal_pieces, fa4_window_pieces)
+FA4_BLOCK_OP = bottom_right_block_op("fa4", _fa4_forward, _fa4_backward, fa4_causal_pieces, fa4_window_pieces,
+                                     features=True)
 
 __all__ = ["FA4_BLOCK_OP", "FA4_KERNELS", "VERIFIED_HEAD_DIMS", "VERIFIED_HEAD_DIM_PAIRS", "Band", "fa4_causal_pieces", "fa4_window_pieces",
            "bottom_right_block_op", "fa4_mask_args",
