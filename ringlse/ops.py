@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from ringlse.attention_plan import attend_plan
+from ringlse.blocks.contract import torch_delta
 from ringlse.checks import lse_dtype
 from ringlse.ring.entry import ring_plan
-from ringlse.blocks.contract import torch_delta
 from ringlse.sinks import fold_sinks, sink_grad
 from ringlse.specs import (AttentionSpec, RingSpec, backend_from_name, error_message, group_from_name,
                            raise_error)

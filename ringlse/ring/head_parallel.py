@@ -129,12 +129,11 @@ def head_parallel_ring(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, sinks: T
     # this rank's query heads [u·h/U, (u+1)·h/U) fold their sinks in the ring's op, as the plain ring does
     local_sinks = None if sinks is None else sinks[comm.rank * hu:(comm.rank + 1) * hu]
     out2, lse2 = ops.ring(q2, k2, v2, ring_spec, local_sinks)
-    with_lse = spec.return_lse
     sends = [out2.reshape(b, size, n, -1).movedim(1, 0)]  # slot u: rank u's tokens, this rank's heads
-    if with_lse:
+    if spec.return_lse:
         sends.append(lse2.reshape(b, hu, size, n).movedim(2, 0))
     phases = ("forward all-to-all of out/lse", "backward all-to-all of dout/dlse")
     got = exchange(comm, limit, phases, *sends)
     out = got[0].movedim(0, 2).reshape(b, n, q.shape[2], -1)
-    lse = got[1].movedim(0, 1).reshape(b, q.shape[2], n) if with_lse else None
+    lse = got[1].movedim(0, 1).reshape(b, q.shape[2], n) if spec.return_lse else None
     return out, lse
