@@ -43,7 +43,6 @@ from ringlse.kernels.attention_common import (
     query_tile_key_range,
     set_tuned_bwd_config,
     softcap_mode,
-    softcap_grad,
     softcap_scores,
     tile_visible,
 )
@@ -137,11 +136,12 @@ def _dkdv_tiles(
                 pt = tl.where(offs_n[:, None] <= offs_m[None, :] + OFFSET, pt, 0.0)
         do = tl.load(dot_ptrs, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        if SOFTCAP:
+            # dS through the cap: P^T times its derivative, once P^T has gone into dV
+            pt = pt * (1.0 - tt * tt)
         delta = tl.load(delta_ptr + offs_m * stride_lm, mask=m_ok, other=0.0)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         dst = pt * (dpt - delta[None, :])
-        if SOFTCAP:
-            dst = softcap_grad(dst, pt, lse2[None, :], softcap)
         dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PREC)
         if not JUMP:
             q_ptrs += BLOCK_M * stride_qm
@@ -291,10 +291,11 @@ def _dq_tiles(
             p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
             p = tl.where(tile_visible(offs_m, offs_n, n_ok, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS), p, 0.0)
+        if SOFTCAP:
+            # dS through the cap: P times its derivative
+            p = p * (1.0 - t * t)
         dp = tl.dot(do, vt, input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = softcap_grad(ds, p, lse2[:, None], softcap)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
         if not JUMP:
             k_ptrs += BLOCK_N * stride_kn

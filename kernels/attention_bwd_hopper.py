@@ -41,8 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ringlse.kernels.attention_common import key_tile_query_range, softcap_grad, softcap_mode, softcap_scores
-from ringlse.kernels.attention_fwd_hopper import interval_walk, tma_rows_apply
+from ringlse.kernels.attention_common import key_tile_query_range, softcap_mode, softcap_scores
+from ringlse.kernels.attention_fwd_hopper import interval_walk, smem_layout, tma_rows_apply
 from ringlse.kernels.hopper_ops import pass_turn, tma_add, tma_add_from_smem, wait_turn
 from ringlse.kernels.host import rows_view, tma_indexable
 
@@ -305,10 +305,12 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
                     pt = gl.where((offs_m[None, :] >= col_lo[:, None]) & (offs_m[None, :] < col_hi[:, None]), pt, 0.0)
             # dV += P^T dO goes to the tensor cores before dP^T is waited for (groups retire in order)
             dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_buf, dv, is_async=True)
+            if SOFTCAP:
+                # the cap's derivative folded into P^T once its dV operand is formed: tanh dies here, before
+                # dP^T's wait, instead of being recovered from P by a log2 after it
+                pt = pt * (1.0 - tt * tt)
             dpt, _, _ = warpgroup_mma_wait(1, deps=[dpt, v_rows, do_buf])
             dst = pt * dpt
-            if SOFTCAP:
-                dst = softcap_grad(dst, pt, lse2[None, :], softcap)
             if FUSED:
                 # this warpgroup's half of dS^T to its slot of the step's pair (the dQ warpgroup of two
                 # steps ago has read it)
@@ -537,13 +539,12 @@ def hopper_dkdv(
     descs = []
     for t, rows in ((q, bm), (dout, bm), (k, 64), (v, 64)):
         shape, strides = rows_view(t)
-        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
-        descs.append(TensorDescriptor(t, shape, strides, [rows, d], layout))
+        descs.append(TensorDescriptor(t, shape, strides, [rows, d], smem_layout(rows, d, gl_dtype)))
     # lse and delta rows through TMA with Q and dO, where TMA can index them as [b * h, sq] rows: loaded by
     # each consumer at each step, their latency sat before P (dk/dv x1.08-1.21 by TMA)
     row_tma = (lse.is_contiguous() and delta.stride() == lse.stride() and sq % 4 == 0
                and lse.data_ptr() % 16 == 0 and delta.data_ptr() % 16 == 0)
-    row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    row_layout = smem_layout(1, bm, gl.float32)
     for t in (lse, delta):
         if row_tma:
             descs.append(TensorDescriptor(t, [b * h, sq], [sq, 1], [1, bm], row_layout))
@@ -553,7 +554,7 @@ def hopper_dkdv(
     sems = [None, None]
     n_kt = triton.cdiv(sk, BLOCK_N)
     if reduce:
-        layout = gl.NVMMASharedLayout.get_default_for([64, d], gl.float32)
+        layout = smem_layout(64, d, gl.float32)
         accs = [TensorDescriptor(t, *rows_view(t), [64, d], layout) for t in accs]
         if fused:
             accs.append(TensorDescriptor(dq_acc, *rows_view(dq_acc), [64, d], layout))

@@ -114,17 +114,6 @@ def softcap_scores(s, qk_scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def softcap_grad(ds, p, lse2, softcap):
-    """dS through the cap, `ds * (1 - tanh**2)`, with tanh recovered from P itself (`P = 2^(softcap * log2(e)
-    * tanh - lse2)`, `lse2` broadcast like P): no tile of tanh is held from P to dS (held, the Hopper dk/dv
-    kernel spilled 140-216 B at head dim 128). Where P is 0 (masked, or lse2 = +inf), so is `ds`: the floor
-    and the clamp to [-1, 1] keep the factor finite there."""
-    t = (tl.math.log2(tl.maximum(p, 1e-30)) + lse2) * (1.0 / (softcap * 1.4426950408889634))
-    t = tl.minimum(tl.maximum(t, -1.0), 1.0)
-    return ds * (1.0 - t * t)
-
-
-@triton.jit
 def key_tile_query_range(n0, SQ, SK, OFFSET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """Query tiles that see the key tile at key `n0` (the dk/dv kernels' walk): from `m_lo` on; those
     before `m_full` are cut by the causal boundary (masked), those from `m_full` on see every key of the

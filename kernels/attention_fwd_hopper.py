@@ -690,8 +690,7 @@ def hopper_forward(
                           (out if o_tma else q, 64, dv if o_tma else chunk)):
         shape, strides = rows_view(t)
         elem = gl.float32 if t.dtype == torch.float32 else gl_dtype
-        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], elem)
-        descs.append(TensorDescriptor(t, shape, strides, [rows, cols], layout))
+        descs.append(TensorDescriptor(t, shape, strides, [rows, cols], smem_layout(rows, cols, elem)))
     consumers = block_m // 64
     # 2 consumers: 12 warps (the loader's warpgroup padded) x 168 registers = 240 per consumer thread, 24 for
     # the loader; 3 consumers: 16 warps x 128, 160 per worker consumer
@@ -721,6 +720,13 @@ def heads_log2(heads: int, kv_bytes: int) -> int:
            and 2 ** (lg + 1) * kv_bytes <= KV_AT_ONCE):
         lg += 1
     return lg
+
+
+@functools.cache
+def smem_layout(rows: int, cols: int, dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a `[rows, cols]` TMA box of `dtype`, built once: a short call's
+    launches spent about a third of their pre-launch host time building these."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
 
 
 @functools.cache
