@@ -195,6 +195,28 @@ def error_growth(d: dict) -> list[str]:
     return lines
 
 
+def train_scale(d: dict) -> list[str]:
+    """launch/train.py --scale runs: one row per configuration, the exactness check's curves summarised."""
+    lines = [f"**{d['gpus']}× {d['gpu']}**, torch {d['torch']}; runs: "
+             + "; ".join(f"`{r['command']}` ({r['date']})" for r in d.get("runs", [d])), "",
+             "| attention | documents | tokens per step | GPUs | fits | step s | tokens/s per GPU | MFU | peak GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in d["records"]:
+        fits = r.get("fits")
+        cells = [r["attention"], "yes" if r["documents"] else "no", _k(r["tokens_per_step"]), str(r.get("world")),
+                 "yes" if fits else ("–" if fits is None else "no"), _fmt(r.get("step_s")),
+                 _fmt(r.get("tokens_per_s_per_gpu"), ".0f"), _fmt(r.get("mfu"), ".3f"), _fmt(r.get("peak_mem_gib"), ".1f")]
+        lines.append("| " + " | ".join(cells) + (f" ({r['reason']})" if r.get("reason") else "") + " |")
+    ex = d.get("exactness")
+    if ex:
+        lines += ["", f"Exactness: one GPU vs {d['gpus']} GPUs, {_k(ex['tokens'])} tokens per step, {ex['steps']} steps, "
+                  f"bf16: max |loss difference| {ex['max_abs_diff']:.2e} (tolerance {ex['tolerance']:g})."]
+    if d.get("longest"):
+        lines += ["", "Longest tokens per step that ran: " + ", ".join(f"{a} {_k(t)}" for a, t in d["longest"].items())
+                  + (f" (doubling capped at {_k(d['longest_cap'])})." if d.get("longest_cap") else ".")]
+    return lines
+
+
 def generic(name: str, d: dict) -> list[str]:
     """Other result files report their own summary rows (merge, LSE toolkit)."""
     env = {k: d[k] for k in ("gpu", "torch", "triton", "command") if k in d}
@@ -504,11 +526,40 @@ def headline_softcap_dv(path: Path, d: dict) -> list[list[str]]:
              f"{span('d_v', 'fwd_bwd_tflops_ratio_vs_fa4')}", _src(path)]]
 
 
+def headline_train(path: Path, d: dict) -> list[list[str]]:
+    """Training at scale: ringlse's tokens/s over PyTorch context parallel's at each tokens per step."""
+    recs = [r for r in d["records"] if r.get("fits") and r.get("world", 1) > 1 and not r.get("probe")]
+    by = {(r["attention"], r["documents"], r["tokens_per_step"]): r for r in recs}
+    parts = []
+    for (att, docs, tokens), r in sorted(by.items(), key=lambda kv: kv[0][2]):
+        cp = by.get(("torch-cp", False, tokens))
+        if att != "ringlse" or docs or cp is None:
+            continue
+        parts.append(f"{_k(tokens)}: **{r['tokens_per_s_per_gpu'] / cp['tokens_per_s_per_gpu']:.2f}×** CP's tokens/s "
+                     f"({r['tokens_per_s_per_gpu']:.0f} vs {cp['tokens_per_s_per_gpu']:.0f} per GPU, MFU "
+                     f"{r['mfu']:.2f} vs {cp['mfu']:.2f})")
+    for (att, docs, tokens), r in by.items():
+        if docs:
+            parts.append(f"packed documents at {_k(tokens)}: {r['tokens_per_s_per_gpu']:.0f} tokens/s per GPU")
+    if d.get("longest"):
+        cap = d.get("longest_cap")
+        parts.append("longest that ran: " + ", ".join(f"{a} {_k(t)}" for a, t in d["longest"].items())
+                     + (f" (doubling capped at {_k(cap)})" if cap else ""))
+    ex = d.get("exactness")
+    if ex:
+        parts.append(f"loss vs one GPU over {ex['steps']} steps at {_k(ex['tokens'])}: max |diff| {ex['max_abs_diff']:.1e}")
+    model = d["records"][0]["model"]
+    return [[f"training end to end, {model} shape, {d['gpus']}× {d['gpu'].replace('NVIDIA ', '')}, FSDP2 + activation "
+             "checkpointing, bf16, one causal sequence per step: ringlse's ring vs PyTorch context parallel (CP) "
+             "(bar ≥ 1.10×)", "; ".join(parts), _src(path)]]
+
+
 HEADLINE = (("ring-", headline_ring), ("ring_documents", headline_ring_documents), ("ring_hybrid", headline_ring_hybrid),
             ("softcap_dv", headline_softcap_dv), ("error_growth", headline_error_growth), ("merge", headline_merge),
             ("merge_engines", headline_merge_engines),
             ("block_attention", headline_block_attention), ("masked_attention", headline_masked_attention),
-            ("lse_toolkit", headline_lse_toolkit), ("fa4-", headline_fa4), ("memory-", headline_memory))
+            ("lse_toolkit", headline_lse_toolkit), ("fa4-", headline_fa4), ("memory-", headline_memory),
+            ("train-llama-8b", headline_train), ("train-llama-1b", headline_train))
 
 
 def _newest_ring_runs(files: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
@@ -574,7 +625,8 @@ SECTIONS = (("block_attention", "Block attention", block_attention), ("error_gro
             ("merge_engines", "Merging in the engines' conventions", merge_engines), ("merge", "Fused merge", merge),
             ("ring_documents", "Ring attention over packed documents", ring_documents),
             ("ring_hybrid", "Head parallelism x ring", lambda d: ring(d, "Head parallelism (U) x ring (R), impl `U`x`R`")),
-            ("ring", "Ring attention", ring))
+            ("ring", "Ring attention", ring),
+            ("train-llama", "Training end to end (FSDP2 + activation checkpointing, bf16)", train_scale))
 
 
 def load(results: Path) -> list[tuple[Path, dict]]:

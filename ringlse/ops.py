@@ -109,8 +109,10 @@ def _function(name: str) -> type[torch.autograd.Function]:
 
         @staticmethod
         def backward(ctx, g_out, g_lse):
-            dq, dk, dv, dsinks = backward_op(g_out, g_lse, *ctx.saved_tensors, *ctx.options)
-            return (dq, dk, dv, dsinks if ctx.saved_tensors[3] is not None else None, *([None] * len(ctx.options)))
+            # saved_tensors read once: activation checkpointing (non-reentrant) lets each be unpacked once
+            saved = ctx.saved_tensors
+            dq, dk, dv, dsinks = backward_op(g_out, g_lse, *saved, *ctx.options)
+            return (dq, dk, dv, dsinks if saved[3] is not None else None, *([None] * len(ctx.options)))
 
     _Call.__name__ = _Call.__qualname__ = f"_{name.capitalize()}"
     return _Call
