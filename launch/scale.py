@@ -173,6 +173,8 @@ def _step_torch_cp(model, ids, pos, args, mesh, world) -> torch.Tensor:
 
 def run(args, packed_batch) -> dict | None:
     """Train `args.steps` steps under torchrun; rank 0 returns the record (None elsewhere)."""
+    from tqdm import tqdm
+
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -186,7 +188,8 @@ def run(args, packed_batch) -> dict | None:
         mesh = init_device_mesh(device.type, (world,))
     losses, times = [], []
     pairs = None
-    for step in range(args.steps):
+    bar = tqdm(range(args.steps), disable=rank != 0, desc=f"{args.attention} {args.model} W={world}", unit="step")
+    for step in bar:
         ids, pos = (t.to(device) for t in packed_batch(args, step, args.tokens))
         pairs = visible_pairs(_documents(pos)) if args.documents else args.tokens * (args.tokens + 1) // 2
         if cuda:
@@ -202,7 +205,7 @@ def run(args, packed_batch) -> dict | None:
         losses.append(loss.item())  # synchronises
         times.append(time.perf_counter() - t0)
         if rank == 0:
-            print(f"step {step:3d}  loss {losses[-1]:.6f}  {times[-1]:.3f} s", flush=True)
+            bar.write(f"step {step:3d}  loss {losses[-1]:.6f}  {times[-1]:.3f} s")
     peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank != 0:
@@ -221,6 +224,21 @@ def run(args, packed_batch) -> dict | None:
                 ringlse=getattr(ringlse, "__version__", None), command=" ".join(sys.argv), **shape)
 
 
+def _plot_losses(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(record["losses"])
+    ax.set(xlabel="step", ylabel="loss", title=f"{record['model']}, {record['attention']}, W = {record['world']}, "
+           f"{record['tokens_per_step']} tokens per step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(args, packed_batch) -> int:
     """`launch/train.py --scale`: one configuration; exit 3 if it runs out of memory."""
     rank = dist.get_rank()
@@ -235,6 +253,7 @@ def main(args, packed_batch) -> int:
         name = f"scale-{args.model}-{args.attention}-{args.tokens}{'-docs' if args.documents else ''}-W{record['world']}"
         path = args.out / f"{name}.json"
         path.write_text(json.dumps(record, indent=1))
+        _plot_losses(record, path.with_suffix(".png"))
         mfu = "" if record["mfu"] is None else f", MFU {record['mfu']:.3f}"
         print(f"{args.attention}: {record['tokens_per_s_per_gpu']:.0f} tokens/s per GPU{mfu}, peak "
               f"{record['peak_mem_gib']:.1f} GiB per rank -> {path}", flush=True)
