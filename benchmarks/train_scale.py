@@ -8,7 +8,7 @@ Table mode times each tokens-per-step with `--attention ringlse` and `torch-cp` 
 step), with `--documents` adds ringlse over packed documents (balanced layout), and with `--longest` doubles
 the tokens per step from the largest until a run does not fit (out of memory, reported). Exactness mode
 trains the same model on one GPU and on `--nproc` GPUs from the same weights and batches and compares the
-loss curves. Writes `train-<model>-<N>x<gpu>.json` (records with `model`, `attention`, `tokens_per_step`,
+loss curves. `--dp G` splits the ranks into G data-parallel rings, each on its own sequence. Writes `train-<model>-<N>x<gpu>.json` (records with `model`, `attention`, `tokens_per_step`,
 `tokens_per_s_per_gpu`, `mfu`, `peak_mem_gib`, `fits`, `documents`) and a PNG to `--out`, after every run.
 """
 
@@ -32,6 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=("tiny", "llama-1b", "llama-8b"), default="llama-8b")
     p.add_argument("--tokens", type=int, nargs="+", default=[65536, 131072])
     p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--dp", type=int, default=1, help="data-parallel groups, each a ring of nproc / dp ranks")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--documents", action="store_true", help="also ringlse over packed documents")
@@ -53,7 +54,9 @@ def run_one(args, attention: str, tokens: int, documents: bool, nproc: int, step
     with tempfile.TemporaryDirectory() as tmp:
         cmd = ["torchrun", f"--nproc_per_node={nproc}", str(ROOT / "launch" / "train.py"), "--scale",
                "--model", args.model, "--attention", attention, "--tokens", str(tokens), "--steps", str(steps),
-               "--warmup", str(warmup), "--out", tmp, *(["--documents"] if documents else []), *args.extra]
+               "--warmup", str(warmup), "--out", tmp, *(["--documents"] if documents else []),
+               # one GPU takes every data-parallel group's sequence
+               *(["--dp", str(args.dp)] if nproc > 1 else ["--sequences", str(args.dp)]), *args.extra]
         print(" ".join(cmd[1:]), flush=True)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)

@@ -146,16 +146,16 @@ def _documents(position_ids: torch.Tensor) -> list[int]:
     return starts + [position_ids.shape[1]]
 
 
-def _step_ringlse(model, ids, pos, args, group, world) -> torch.Tensor:
+def _step_ringlse(model, ids, pos, args, group, world, num_tokens) -> torch.Tensor:
     batch = rt.prepare_batch(ids, position_ids=pos if args.documents else None, group=group, layout=args.layout)
     # backward inside the ring context: checkpointed layers run their attention again there
     with rt.ring(group=group, layout=args.layout, cu_seqlens=batch.cu_seqlens, backend=args.backend):
-        loss = model(batch.input_ids, batch.position_ids, batch.labels, batch.num_tokens)
+        loss = model(batch.input_ids, batch.position_ids, batch.labels, num_tokens)
         (loss * world).backward()  # FSDP2 averages the ranks' gradients; they sum to the batch's
     return loss.detach()
 
 
-def _step_torch_cp(model, ids, pos, args, mesh, world) -> torch.Tensor:
+def _step_torch_cp(model, ids, pos, args, mesh, world, num_tokens) -> torch.Tensor:
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import _cp_options
 
@@ -166,7 +166,7 @@ def _step_torch_cp(model, ids, pos, args, mesh, world) -> torch.Tensor:
     whole = rt.whole_batch(ids)
     bufs = [whole.input_ids.clone(), whole.labels.clone(), whole.position_ids.clone()]
     with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(bufs)):
-        loss = model(bufs[0], bufs[2], bufs[1], whole.num_tokens)
+        loss = model(bufs[0], bufs[2], bufs[1], num_tokens)
         (loss * world).backward()
     return loss.detach()
 
@@ -178,27 +178,43 @@ def run(args, packed_batch) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dp, ring = args.dp, world // args.dp
+    sequences = args.sequences or dp
+    if world % dp or sequences % dp:
+        raise ValueError(f"--dp {dp} must divide the {world} ranks and the {sequences} sequences per step")
+    if args.documents and sequences != dp:
+        raise ValueError("--documents takes one sequence per data-parallel group (each its own documents)")
     model, shape = build(args, world, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    group = dist.new_group(list(range(world)))  # the ring's own communicator, beside FSDP2's
+    # data-parallel group g holds ranks g*ring .. g*ring + ring - 1; each ring gets its own communicator,
+    # beside FSDP2's over all ranks
+    groups = [dist.new_group(list(range(g * ring, (g + 1) * ring))) for g in range(dp)]
+    mine, group = rank // ring, groups[rank // ring]
     mesh = None
     if args.attention == "torch-cp":
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (world,))
+        mesh = init_device_mesh(device.type, (dp, ring), mesh_dim_names=("dp", "cp"))["cp"]
     losses, times = [], []
     pairs = None
     bar = tqdm(range(args.steps), disable=rank != 0, desc=f"{args.attention} {args.model} W={world}", unit="step")
+    per_group = sequences // dp
     for step in bar:
-        ids, pos = (t.to(device) for t in packed_batch(args, step, args.tokens))
-        pairs = visible_pairs(_documents(pos)) if args.documents else args.tokens * (args.tokens + 1) // 2
+        seqs = [packed_batch(args, step * sequences + j, args.tokens) for j in range(sequences)]
+        # the global batch's label count: every rank's loss is its share of the mean over all of them
+        num_tokens = sum(rt.whole_batch(ids, position_ids=pos if args.documents else None).num_tokens
+                         for ids, pos in seqs)
+        pairs = sum(visible_pairs(_documents(pos)) if args.documents else args.tokens * (args.tokens + 1) // 2
+                    for _, pos in seqs)
+        local = seqs[mine * per_group:(mine + 1) * per_group]
+        ids, pos = (torch.cat([t[i] for t in local]).to(device) for i in (0, 1))
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         if args.attention == "torch-cp":
-            loss = _step_torch_cp(model, ids, pos, args, mesh, world)
+            loss = _step_torch_cp(model, ids, pos, args, mesh, world, num_tokens)
         else:
-            loss = _step_ringlse(model, ids, pos, args, group, world)
+            loss = _step_ringlse(model, ids, pos, args, group, world, num_tokens)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dist.all_reduce(loss)
@@ -211,14 +227,15 @@ def run(args, packed_batch) -> dict | None:
     if rank != 0:
         return None
     step_s = statistics.median(times[args.warmup:] or times)
-    flops = model_flops(shape, args.tokens, pairs)
+    tokens = sequences * args.tokens
+    flops = model_flops(shape, tokens, pairs)
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
-    return dict(model=args.model, attention=args.attention, documents=args.documents, tokens_per_step=args.tokens,
-                world=world, layout=args.layout if args.attention == "ringlse" else "torch-cp load balancer",
+    return dict(model=args.model, attention=args.attention, documents=args.documents, tokens_per_step=tokens,
+                seqlen=args.tokens, sequences=sequences, data_parallel=dp, ring=ring, world=world, layout=args.layout if args.attention == "ringlse" else "torch-cp load balancer",
                 backend=args.backend if args.attention == "ringlse" else "sdpa", compile=args.compile,
                 dtype=args.dtype, fits=True, step_s=step_s, step_times_s=times, losses=losses,
-                tokens_per_s_per_gpu=args.tokens / step_s / world, model_tflops_per_step=flops / 1e12,
+                tokens_per_s_per_gpu=tokens / step_s / world, model_tflops_per_step=flops / 1e12,
                 mfu=None if peak_tflops is None else flops / step_s / world / (peak_tflops * 1e12),
                 peak_mem_gib=peak.item(), visible_pairs=pairs, gpu=gpu, torch=torch.__version__,
                 ringlse=getattr(ringlse, "__version__", None), command=" ".join(sys.argv), **shape)
@@ -250,7 +267,8 @@ def main(args, packed_batch) -> int:
         os._exit(OUT_OF_MEMORY)
     if record is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"scale-{args.model}-{args.attention}-{args.tokens}{'-docs' if args.documents else ''}-W{record['world']}"
+        name = (f"scale-{args.model}-{args.attention}-{record['tokens_per_step']}{'-docs' if args.documents else ''}"
+                f"-W{record['world']}")
         path = args.out / f"{name}.json"
         path.write_text(json.dumps(record, indent=1))
         _plot_losses(record, path.with_suffix(".png"))

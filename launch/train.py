@@ -71,11 +71,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--model", choices=("tiny", "llama-1b", "llama-8b"), default="tiny")
     s.add_argument("--attention", choices=("ringlse", "torch-cp"), default="ringlse",
                    help="ringlse's ring, or PyTorch context parallel (SDPA, its load balancer)")
-    s.add_argument("--tokens", type=int, default=None, help="tokens per step (default 512 per rank)")
+    s.add_argument("--tokens", type=int, default=None, help="tokens per sequence (default 512 per rank of a ring)")
     s.add_argument("--documents", action="store_true",
                    help="attend within packed documents (else one causal sequence per step)")
     s.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     s.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
+    s.add_argument("--dp", type=int, default=1,
+                   help="data-parallel groups: each a ring of W / dp ranks on its own sequences (FSDP2 over all W)")
+    s.add_argument("--sequences", type=int, default=None,
+                   help="sequences of --tokens each per step (default: one per data-parallel group)")
     args = p.parse_args(argv)
     if args.scale:
         from scale import PRESETS
@@ -219,7 +223,7 @@ def main(argv=None) -> int:
 
         if not dist.is_initialized():
             raise SystemExit("--scale runs under torchrun (--nproc_per_node=1 for one GPU)")
-        args.tokens = args.tokens or 512 * world
+        args.tokens = args.tokens or 512 * world // args.dp
         code = scale.main(args, packed_batch)
         dist.barrier()
         os._exit(code)

@@ -37,23 +37,34 @@ def test_train_ring_loss_equals_single_process(world, tmp_path):
         assert Path(record["png"]).stat().st_size > 0
 
 
-def test_scale_mode_on_two_ranks_equals_one(tmp_path):
-    """`launch/train.py --scale` (FSDP2, activation checkpointing, the balanced layout over packed documents)
-    through `benchmarks/train_scale.py --exactness`: the tiny preset's losses on 2 gloo ranks equal 1 rank's
-    from the same weights and batches. float32; the sums are ordered differently (measured ≤ 1e-6 over 4
-    steps), so 1e-5."""
+SCALE_CASES = [  # (ranks, data-parallel groups, extra launch/train.py flags)
+    pytest.param(2, 1, ["--documents", "--min-doc", "9", "--max-doc", "300"], id="ring2-documents"),
+    pytest.param(4, 2, [], id="dp2-ring2"),
+]
+
+
+@pytest.mark.parametrize("nproc, dp, flags", SCALE_CASES)
+def test_scale_mode_equals_one_rank(nproc, dp, flags, tmp_path):
+    """`launch/train.py --scale` (FSDP2 over every rank, activation checkpointing; a ring over packed
+    documents in the balanced layout, or two data-parallel rings each on its own sequence) through
+    `benchmarks/train_scale.py --exactness`: the tiny preset's losses on gloo ranks equal one rank's on the
+    same weights and sequences. float32; the sums are ordered differently (measured ≤ 1e-6 over 4 steps),
+    so 1e-5."""
     driver = SCRIPT.parents[1] / "benchmarks" / "train_scale.py"
-    cmd = [sys.executable, str(driver), "--model", "tiny", "--exactness", "--nproc", "2", "--tokens", "512",
-           "--steps", "4", "--warmup", "1", "--tolerance", "1e-5", "--timeout", "240", "--out", str(tmp_path),
-           "--extra", "--dtype", "fp32", "--documents", "--min-doc", "9", "--max-doc", "300"]
+    cmd = [sys.executable, str(driver), "--model", "tiny", "--exactness", "--nproc", str(nproc), "--dp", str(dp),
+           "--tokens", "512", "--steps", "4", "--warmup", "1", "--tolerance", "1e-5", "--timeout", "240",
+           "--out", str(tmp_path), "--extra", "--dtype", "fp32", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    record = json.loads(next(tmp_path.glob("train-tiny-2x*.json")).read_text())
-    one, two = record["records"]
-    assert (one["world"], two["world"]) == (1, 2) and one["fits"] and two["fits"], r.stdout[-3000:]
-    assert two["layout"] == "balanced" and two["documents"]
+    record = json.loads(next(tmp_path.glob(f"train-tiny-{nproc}x*.json")).read_text())
+    one, many = record["records"]
+    assert (one["world"], many["world"]) == (1, nproc) and one["fits"] and many["fits"], r.stdout[-3000:]
+    assert (many["data_parallel"], many["ring"]) == (dp, nproc // dp)
+    assert one["tokens_per_step"] == many["tokens_per_step"] == 512 * dp
     assert record["exactness"]["passed"], record["exactness"]["max_abs_diff"]
-    for key in ("tokens_per_s_per_gpu", "peak_mem_gib", "visible_pairs", "params"):
-        assert key in two
-    assert two["visible_pairs"] < 512 * 513 // 2  # documents: fewer pairs than one causal sequence
+    for key in ("tokens_per_s_per_gpu", "peak_mem_gib", "visible_pairs", "params", "mfu"):
+        assert key in many
+    if "--documents" in flags:
+        assert many["layout"] == "balanced" and many["documents"]
+        assert many["visible_pairs"] < 512 * 513 // 2  # documents: fewer pairs than one causal sequence
