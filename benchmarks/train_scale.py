@@ -85,7 +85,9 @@ def environment() -> dict:
 
 
 def save(args, env: dict, records: list[dict], extra: dict) -> Path:
-    tag = env["gpu"].replace("NVIDIA ", "").replace(" ", "-")
+    from ring import gpu_name_tag
+
+    tag = gpu_name_tag(env["gpu"])
     path = args.out / f"train-{args.model}-{args.nproc}x{tag}.json"
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(env, records=records, **extra), indent=1))

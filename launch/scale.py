@@ -26,6 +26,7 @@ from torch import nn
 
 import ringlse
 from ringlse.integrations import transformers as rt
+from ringlse.masks import Rule, visible_per_position
 
 # Llama-3-shaped configurations (random weights, no download). llama-1b is Llama-3.2-1B's shape with an
 # untied output head (FSDP2 re-ties nothing after a meta-device init).
@@ -129,21 +130,11 @@ def _init_weights(model: nn.Module, seed: int, world: int, device: torch.device)
         local.copy_(torch.chunk(full, world, dim=0)[rank] if local.shape != full.shape else full)
 
 
-def visible_pairs(cu_seqlens: list[int]) -> int:
-    """Causal (query, key) pairs inside the documents."""
-    return sum((b - a) * (b - a + 1) // 2 for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
-
-
 def model_flops(shape: dict, tokens: int, pairs: int) -> float:
     """FLOPs of one training step (forward + backward, recomputation not counted): 6 per parameter and token
     outside the embedding, and 12·d per visible pair and query head in each layer's attention."""
     return 6.0 * shape["params_without_embedding"] * tokens + \
         12.0 * shape["layers"] * shape["heads"] * shape["head_dim"] * pairs
-
-
-def _documents(position_ids: torch.Tensor) -> list[int]:
-    starts = (position_ids[0] == 0).nonzero().flatten().tolist()
-    return starts + [position_ids.shape[1]]
 
 
 def _step_ringlse(model, ids, pos, args, group, world, num_tokens) -> torch.Tensor:
@@ -201,11 +192,10 @@ def run(args, packed_batch) -> dict | None:
     per_group = sequences // dp
     for step in bar:
         seqs = [packed_batch(args, step * sequences + j, args.tokens) for j in range(sequences)]
+        wholes = [rt.whole_batch(ids, position_ids=pos if args.documents else None) for ids, pos in seqs]
         # the global batch's label count: every rank's loss is its share of the mean over all of them
-        num_tokens = sum(rt.whole_batch(ids, position_ids=pos if args.documents else None).num_tokens
-                         for ids, pos in seqs)
-        pairs = sum(visible_pairs(_documents(pos)) if args.documents else args.tokens * (args.tokens + 1) // 2
-                    for _, pos in seqs)
+        num_tokens = sum(w.num_tokens for w in wholes)
+        pairs = sum(int(visible_per_position(Rule(True, docs=w.cu_seqlens), args.tokens).sum()) for w in wholes)
         local = seqs[mine * per_group:(mine + 1) * per_group]
         ids, pos = (torch.cat([t[i] for t in local]).to(device) for i in (0, 1))
         if cuda:
