@@ -199,11 +199,11 @@ def train_scale(d: dict) -> list[str]:
     """launch/train.py --scale runs: one row per configuration, the exactness check's curves summarised."""
     lines = [f"**{d['gpus']}× {d['gpu']}**, torch {d['torch']}; runs: "
              + "; ".join(f"`{r['command']}` ({r['date']})" for r in d.get("runs", [d])), "",
-             "| attention | documents | tokens per step | GPUs | fits | step s | tokens/s per GPU | MFU | peak GiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| attention | ring backend | documents | tokens per step | GPUs | fits | step s | tokens/s per GPU | MFU | peak GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in d["records"]:
         fits = r.get("fits")
-        cells = [r["attention"], "yes" if r["documents"] else "no", _k(r["tokens_per_step"]), str(r.get("world")),
+        cells = [r["attention"], r.get("backend") or "–", "yes" if r["documents"] else "no", _k(r["tokens_per_step"]), str(r.get("world")),
                  "yes" if fits else ("–" if fits is None else "no"), _fmt(r.get("step_s")),
                  _fmt(r.get("tokens_per_s_per_gpu"), ".0f"), _fmt(r.get("mfu"), ".3f"), _fmt(r.get("peak_mem_gib"), ".1f")]
         lines.append("| " + " | ".join(cells) + (f" ({r['reason']})" if r.get("reason") else "") + " |")
@@ -213,7 +213,8 @@ def train_scale(d: dict) -> list[str]:
                   f"bf16: max |loss difference| {ex['max_abs_diff']:.2e} (tolerance {ex['tolerance']:g})."]
     if d.get("longest"):
         lines += ["", "Longest tokens per step that ran: " + ", ".join(f"{a} {_k(t)}" for a, t in d["longest"].items())
-                  + (f" (doubling capped at {_k(d['longest_cap'])})." if d.get("longest_cap") else ".")]
+                  + (f" (doubling capped at {_k(d['longest_cap'])})." if d.get("longest_cap") else ".")
+                  + (f" {d['longest_note']}." if d.get("longest_note") else "")]
     return lines
 
 
@@ -535,16 +536,20 @@ def headline_train(path: Path, d: dict) -> list[list[str]]:
         cp = by.get(("torch-cp", False, tokens))
         if att != "ringlse" or docs or cp is None:
             continue
-        parts.append(f"{_k(tokens)}: **{r['tokens_per_s_per_gpu'] / cp['tokens_per_s_per_gpu']:.2f}×** CP's tokens/s "
+        ring = f" ({r['backend']} ring)" if r.get("backend") else ""
+        parts.append(f"{_k(tokens)}{ring}: **{r['tokens_per_s_per_gpu'] / cp['tokens_per_s_per_gpu']:.2f}×** CP's tokens/s "
                      f"({r['tokens_per_s_per_gpu']:.0f} vs {cp['tokens_per_s_per_gpu']:.0f} per GPU, MFU "
                      f"{r['mfu']:.2f} vs {cp['mfu']:.2f})")
     for (att, docs, tokens), r in by.items():
         if docs:
-            parts.append(f"packed documents at {_k(tokens)}: {r['tokens_per_s_per_gpu']:.0f} tokens/s per GPU")
+            ring = f" ({r['backend']} ring)" if r.get("backend") else ""
+            parts.append(f"packed documents at {_k(tokens)}{ring}: {r['tokens_per_s_per_gpu']:.0f} tokens/s per GPU")
     if d.get("longest"):
         cap = d.get("longest_cap")
-        parts.append("longest that ran: " + ", ".join(f"{a} {_k(t)}" for a, t in d["longest"].items())
-                     + (f" (doubling capped at {_k(cap)})" if cap else ""))
+        failed = {r["attention"]: r["tokens_per_step"] for r in d["records"] if r.get("probe") and r.get("fits") is False}
+        parts.append("longest that ran: " + ", ".join(f"{a} {_k(t)}" + (f" (not {_k(failed[a])})" if a in failed else "")
+                                                     for a, t in d["longest"].items())
+                     + (f" (doubling capped at {_k(cap)})" if cap and not failed else ""))
     ex = d.get("exactness")
     if ex:
         parts.append(f"loss vs one GPU over {ex['steps']} steps at {_k(ex['tokens'])}: max |diff| {ex['max_abs_diff']:.1e}")

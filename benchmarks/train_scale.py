@@ -105,13 +105,14 @@ def plot(records: list[dict], extra: dict, path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(11 if curves else 6, 3.8), squeeze=False)
     ax = axes[0][0]
     timed = [r for r in records if r.get("fits") and r.get("world", 0) > 1]
-    labels = sorted({(r["attention"], r["documents"]) for r in timed})
+    labels = sorted({(r["attention"], r["documents"], r.get("backend")) for r in timed}, key=str)
     sizes = sorted({r["tokens_per_step"] for r in timed})
     width = 0.8 / max(len(labels), 1)
-    for i, (att, docs) in enumerate(labels):
+    for i, (att, docs, backend) in enumerate(labels):
         vals = [next((r["tokens_per_s_per_gpu"] for r in timed if r["attention"] == att and r["documents"] == docs
-                      and r["tokens_per_step"] == s), 0) for s in sizes]
-        ax.bar([j + i * width for j in range(len(sizes))], vals, width, label=att + (", documents" if docs else ""))
+                      and r.get("backend") == backend and r["tokens_per_step"] == s), 0) for s in sizes]
+        ring = f" ({backend} ring)" if att == "ringlse" and backend else ""
+        ax.bar([j + i * width for j in range(len(sizes))], vals, width, label=att + ring + (", documents" if docs else ""))
     ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(sizes))], [f"{s // 1024}K" for s in sizes])
     ax.set(xlabel="tokens per step", ylabel="tokens/s per GPU", title=title)
     ax.legend(fontsize=8)

@@ -223,12 +223,21 @@ def run(args, packed_batch) -> dict | None:
     peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
     return dict(model=args.model, attention=args.attention, documents=args.documents, tokens_per_step=tokens,
                 seqlen=args.tokens, sequences=sequences, data_parallel=dp, ring=ring, world=world, layout=args.layout if args.attention == "ringlse" else "torch-cp load balancer",
-                backend=args.backend if args.attention == "ringlse" else "sdpa", compile=args.compile,
+                backend=_ring_backend(args, device, shape) if args.attention == "ringlse" else "sdpa", compile=args.compile,
                 dtype=args.dtype, fits=True, step_s=step_s, step_times_s=times, losses=losses,
                 tokens_per_s_per_gpu=tokens / step_s / world, model_tflops_per_step=flops / 1e12,
                 mfu=None if peak_tflops is None else flops / step_s / world / (peak_tflops * 1e12),
                 peak_mem_gib=peak.item(), visible_pairs=pairs, gpu=gpu, torch=torch.__version__,
                 ringlse=getattr(ringlse, "__version__", None), command=" ".join(sys.argv), **shape)
+
+
+def _ring_backend(args, device: torch.device, shape: dict) -> str:
+    """The block op the ring ran (what `auto` picked on this machine, so that a record says it)."""
+    from ringlse.blocks import get_block_op
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}[args.dtype]
+    return get_block_op(args.backend, device, dtype, masked=args.documents and args.backend == "auto",
+                        head_dim=shape["head_dim"]).name
 
 
 def _plot_losses(record: dict, path: Path) -> None:
