@@ -36,6 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--documents", action="store_true", help="also ringlse over packed documents")
+    p.add_argument("--only-documents", action="store_true", help="only the packed-documents rows")
     p.add_argument("--longest", action="store_true", help="double the tokens until a run does not fit")
     p.add_argument("--longest-cap", type=int, default=1 << 21, help="stop doubling here")
     p.add_argument("--only-longest", action="store_true",
@@ -148,10 +149,10 @@ def main(argv=None) -> int:
         save(args, env, records, extra)
         return 0
     for tokens in [] if args.only_longest else args.tokens:
-        for attention in ("ringlse", "torch-cp"):
+        for attention in () if args.only_documents else ("ringlse", "torch-cp"):
             records.append(run_one(args, attention, tokens, False, args.nproc, args.steps, args.warmup))
             save(args, env, records, extra)
-        if args.documents:
+        if args.documents or args.only_documents:
             records.append(run_one(args, "ringlse", tokens, True, args.nproc, args.steps, args.warmup))
             records.append(dict(model=args.model, attention="torch-cp", tokens_per_step=tokens, documents=True,
                                 world=args.nproc, fits=None, reason=CP_DOCUMENTS))
