@@ -65,6 +65,7 @@ def test_scale_mode_equals_one_rank(nproc, dp, flags, tmp_path):
     assert record["exactness"]["passed"], record["exactness"]["max_abs_diff"]
     for key in ("tokens_per_s_per_gpu", "peak_mem_gib", "visible_pairs", "params", "mfu"):
         assert key in many
+    assert one["backend"] == many["backend"] == "torch"  # the block op `auto` ran on CPU ranks, not "auto"
     if "--documents" in flags:
         assert many["layout"] == "balanced" and many["documents"]
         assert many["visible_pairs"] < 512 * 513 // 2  # documents: fewer pairs than one causal sequence
