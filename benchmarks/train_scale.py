@@ -44,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--exactness", action="store_true", help="one GPU vs --nproc GPUs, loss curves")
     p.add_argument("--tolerance", type=float, default=2e-2, help="exactness: largest allowed |loss difference|")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--backend", default="auto", help="ringlse's block op (auto, triton, fa4, ...); torch-cp runs SDPA")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more launch/train.py flags")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     return p.parse_args(argv)
@@ -57,7 +58,8 @@ def run_one(args, attention: str, tokens: int, documents: bool, nproc: int, step
                "--model", args.model, "--attention", attention, "--tokens", str(tokens), "--steps", str(steps),
                "--warmup", str(warmup), "--out", tmp, *(["--documents"] if documents else []),
                # one GPU takes every data-parallel group's sequence
-               *(["--dp", str(args.dp)] if nproc > 1 else ["--sequences", str(args.dp)]), *args.extra]
+               *(["--dp", str(args.dp)] if nproc > 1 else ["--sequences", str(args.dp)]),
+               *(["--backend", args.backend] if attention == "ringlse" else []), *args.extra]
         print(" ".join(cmd[1:]), flush=True)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)

@@ -150,9 +150,6 @@ def _step_torch_cp(model, ids, pos, args, mesh, world, num_tokens) -> torch.Tens
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import _cp_options
 
-    if args.documents:
-        raise ValueError("torch-cp: packed documents need a document mask, which context parallel's SDPA "
-                         "path does not take")
     _cp_options.enable_load_balance = True
     whole = rt.whole_batch(ids)
     bufs = [whole.input_ids.clone(), whole.labels.clone(), whole.position_ids.clone()]

@@ -87,6 +87,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.vocab = PRESETS[args.model]["vocab_size"]
         if args.min_doc == 8 and args.max_doc == 96:  # the exactness check's defaults: documents of 256-16K
             args.min_doc, args.max_doc = 256, 16384
+        if args.attention == "torch-cp":
+            # ringlse's options would be dropped without a word under context parallel: refuse them
+            given = [f for f, v in (("--backend", args.backend != "auto"), ("--layout", args.layout is not None),
+                                    ("--documents", args.documents)) if v]
+            if given:
+                raise SystemExit(f"--attention torch-cp runs PyTorch context parallel (SDPA, its own load "
+                                 f"balancer, no document mask): {', '.join(given)} would not apply")
     args.lr = args.lr or (3e-4 if args.scale else 3e-3)
     args.dtype = args.dtype or ("bf16" if args.scale else "fp32")
     args.layout = args.layout or ("balanced" if args.scale and args.documents else "zigzag")

@@ -37,6 +37,16 @@ def test_train_ring_loss_equals_single_process(world, tmp_path):
         assert Path(record["png"]).stat().st_size > 0
 
 
+@pytest.mark.parametrize("flags", [["--backend", "fa4"], ["--layout", "stripe"], ["--documents"]],
+                         ids=["backend", "layout", "documents"])
+def test_torch_cp_refuses_ringlse_options(flags):
+    """`--attention torch-cp` runs context parallel's own attention: ringlse's options are refused by name
+    (at parsing, on every rank, before any process group), never dropped."""
+    r = subprocess.run([sys.executable, str(SCRIPT), "--scale", "--model", "tiny", "--attention", "torch-cp", *flags],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and f"{flags[0]} would not apply" in r.stderr, r.stderr[-2000:]
+
+
 SCALE_CASES = [  # (ranks, data-parallel groups, extra launch/train.py flags)
     pytest.param(2, 1, ["--documents", "--min-doc", "9", "--max-doc", "300"], id="ring2-documents"),
     pytest.param(4, 2, [], id="dp2-ring2"),
