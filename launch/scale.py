@@ -183,8 +183,7 @@ def run(args, packed_batch) -> dict | None:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (dp, ring), mesh_dim_names=("dp", "cp"))["cp"]
-    losses, times = [], []
-    pairs = None
+    losses, times, pairs = [], [], []
     bar = tqdm(range(args.steps), disable=rank != 0, desc=f"{args.attention} {args.model} W={world}", unit="step")
     per_group = sequences // dp
     for step in bar:
@@ -192,7 +191,7 @@ def run(args, packed_batch) -> dict | None:
         wholes = [rt.whole_batch(ids, position_ids=pos if args.documents else None) for ids, pos in seqs]
         # the global batch's label count: every rank's loss is its share of the mean over all of them
         num_tokens = sum(w.num_tokens for w in wholes)
-        pairs = sum(int(visible_per_position(Rule(True, docs=w.cu_seqlens), args.tokens).sum()) for w in wholes)
+        pairs.append(sum(int(visible_per_position(Rule(True, docs=w.cu_seqlens), args.tokens).sum()) for w in wholes))
         local = seqs[mine * per_group:(mine + 1) * per_group]
         ids, pos = (torch.cat([t[i] for t in local]).to(device) for i in (0, 1))
         if cuda:
@@ -213,18 +212,22 @@ def run(args, packed_batch) -> dict | None:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank != 0:
         return None
-    step_s = statistics.median(times[args.warmup:] or times)
+    timed = slice(args.warmup, None) if len(times) > args.warmup else slice(None)
+    step_s = statistics.median(times[timed])
     tokens = sequences * args.tokens
-    flops = model_flops(shape, tokens, pairs)
+    # each step packs new documents, so its work differs: FLOPs and time summed over the same steps
+    flops = [model_flops(shape, tokens, p) for p in pairs[timed]]
+    flops_per_s = sum(flops) / sum(times[timed])
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
     return dict(model=args.model, attention=args.attention, documents=args.documents, tokens_per_step=tokens,
                 seqlen=args.tokens, sequences=sequences, data_parallel=dp, ring=ring, world=world, layout=args.layout if args.attention == "ringlse" else "torch-cp load balancer",
                 backend=_ring_backend(args, device, shape) if args.attention == "ringlse" else "sdpa", compile=args.compile,
                 dtype=args.dtype, fits=True, step_s=step_s, step_times_s=times, losses=losses,
-                tokens_per_s_per_gpu=tokens / step_s / world, model_tflops_per_step=flops / 1e12,
-                mfu=None if peak_tflops is None else flops / step_s / world / (peak_tflops * 1e12),
-                peak_mem_gib=peak.item(), visible_pairs=pairs, gpu=gpu, torch=torch.__version__,
+                tokens_per_s_per_gpu=tokens / step_s / world, model_tflops_per_step=statistics.mean(flops) / 1e12,
+                mfu=None if peak_tflops is None else flops_per_s / world / (peak_tflops * 1e12),
+                peak_mem_gib=peak.item(), visible_pairs=round(statistics.mean(pairs[timed])),
+                visible_pairs_per_step=pairs, gpu=gpu, torch=torch.__version__,
                 ringlse=getattr(ringlse, "__version__", None), command=" ".join(sys.argv), **shape)
 
 
