@@ -199,13 +199,15 @@ def train_scale(d: dict) -> list[str]:
     """launch/train.py --scale runs: one row per configuration, the exactness check's curves summarised."""
     lines = [f"**{d['gpus']}× {d['gpu']}**, torch {d['torch']}; runs: "
              + "; ".join(f"`{r['command']}` ({r['date']})" for r in d.get("runs", [d])), "",
-             "| attention | ring backend | documents | tokens per step | GPUs | fits | step s | tokens/s per GPU | MFU | peak GiB |",
+             "| attention | ring backend | documents | tokens per step | GPUs | fits | step s | tokens/s per GPU | MFU "
+             "| peak GiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in d["records"]:
         fits = r.get("fits")
-        cells = [r["attention"], r.get("backend") or "–", "yes" if r["documents"] else "no", _k(r["tokens_per_step"]), str(r.get("world")),
-                 "yes" if fits else ("–" if fits is None else "no"), _fmt(r.get("step_s")),
-                 _fmt(r.get("tokens_per_s_per_gpu"), ".0f"), _fmt(r.get("mfu"), ".3f"), _fmt(r.get("peak_mem_gib"), ".1f")]
+        cells = [r["attention"], r.get("backend") or "–", "yes" if r["documents"] else "no", _k(r["tokens_per_step"]),
+                 str(r.get("world")), "yes" if fits else ("–" if fits is None else "no"), _fmt(r.get("step_s")),
+                 _fmt(r.get("tokens_per_s_per_gpu"), ".0f"), _fmt(r.get("mfu"), ".3f"),
+                 _fmt(r.get("peak_mem_gib"), ".1f")]
         lines.append("| " + " | ".join(cells) + (f" ({r['reason']})" if r.get("reason") else "") + " |")
     ex = d.get("exactness")
     if ex:
@@ -527,6 +529,11 @@ def headline_softcap_dv(path: Path, d: dict) -> list[list[str]]:
              f"{span('d_v', 'fwd_bwd_tflops_ratio_vs_fa4')}", _src(path)]]
 
 
+def _ring_of(record: dict) -> str:
+    """` (<backend> ring)` for a training record that names its block op."""
+    return f" ({record['backend']} ring)" if record.get("backend") else ""
+
+
 def headline_train(path: Path, d: dict) -> list[list[str]]:
     """Training at scale: ringlse's tokens/s over PyTorch context parallel's at each tokens per step."""
     recs = [r for r in d["records"] if r.get("fits") and r.get("world", 1) > 1 and not r.get("probe")]
@@ -536,14 +543,12 @@ def headline_train(path: Path, d: dict) -> list[list[str]]:
         cp = by.get(("torch-cp", False, tokens))
         if att != "ringlse" or docs or cp is None:
             continue
-        ring = f" ({r['backend']} ring)" if r.get("backend") else ""
-        parts.append(f"{_k(tokens)}{ring}: **{r['tokens_per_s_per_gpu'] / cp['tokens_per_s_per_gpu']:.2f}×** CP's tokens/s "
+        parts.append(f"{_k(tokens)}{_ring_of(r)}: **{r['tokens_per_s_per_gpu'] / cp['tokens_per_s_per_gpu']:.2f}×** CP's tokens/s "
                      f"({r['tokens_per_s_per_gpu']:.0f} vs {cp['tokens_per_s_per_gpu']:.0f} per GPU, MFU "
                      f"{r['mfu']:.2f} vs {cp['mfu']:.2f})")
     for (att, docs, tokens), r in by.items():
         if docs:
-            ring = f" ({r['backend']} ring)" if r.get("backend") else ""
-            parts.append(f"packed documents at {_k(tokens)}{ring}: {r['tokens_per_s_per_gpu']:.0f} tokens/s per GPU")
+            parts.append(f"packed documents at {_k(tokens)}{_ring_of(r)}: {r['tokens_per_s_per_gpu']:.0f} tokens/s per GPU")
     if d.get("longest"):
         cap = d.get("longest_cap")
         failed = {r["attention"]: r["tokens_per_step"] for r in d["records"] if r.get("probe") and r.get("fits") is False}

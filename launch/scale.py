@@ -75,6 +75,11 @@ def _cp_sdpa(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, None, **kwargs)
 
 
+def compute_dtype(args) -> torch.dtype:
+    """What the layers compute in: bf16 casts of the float32 master weights, or the float32 weights."""
+    return torch.bfloat16 if args.dtype == "bf16" else torch.float32
+
+
 def build(args, world: int, device: torch.device) -> tuple[nn.Module, dict]:
     """The FSDP2-sharded `ChunkedLoss` model and its shape; weights from `args.seed`, the same for any W."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -89,8 +94,7 @@ def build(args, world: int, device: torch.device) -> tuple[nn.Module, dict]:
                       attn_implementation=impl)
     with torch.device("meta"):
         lm = LlamaForCausalLM(cfg)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
-                              reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype(args), reduce_dtype=torch.float32)
     layers = lm.model.layers
     for i, layer in enumerate(layers):
         layer = checkpoint_wrapper(layer)
@@ -191,7 +195,8 @@ def run(args, packed_batch) -> dict | None:
         wholes = [rt.whole_batch(ids, position_ids=pos if args.documents else None) for ids, pos in seqs]
         # the global batch's label count: every rank's loss is its share of the mean over all of them
         num_tokens = sum(w.num_tokens for w in wholes)
-        pairs.append(sum(int(visible_per_position(Rule(True, docs=w.cu_seqlens), args.tokens).sum()) for w in wholes))
+        pairs.append(sum(int(visible_per_position(Rule(True, docs=w.cu_seqlens), args.tokens).sum())
+                         for w in wholes))
         local = seqs[mine * per_group:(mine + 1) * per_group]
         ids, pos = (torch.cat([t[i] for t in local]).to(device) for i in (0, 1))
         if cuda:
@@ -220,11 +225,14 @@ def run(args, packed_batch) -> dict | None:
     flops_per_s = sum(flops) / sum(times[timed])
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
+    ringlse_attention = args.attention == "ringlse"
     return dict(model=args.model, attention=args.attention, documents=args.documents, tokens_per_step=tokens,
-                seqlen=args.tokens, sequences=sequences, data_parallel=dp, ring=ring, world=world, layout=args.layout if args.attention == "ringlse" else "torch-cp load balancer",
-                backend=_ring_backend(args, device, shape) if args.attention == "ringlse" else "sdpa", compile=args.compile,
+                seqlen=args.tokens, sequences=sequences, data_parallel=dp, ring=ring, world=world,
+                layout=args.layout if ringlse_attention else "torch-cp load balancer",
+                backend=_ring_backend(args, device, shape) if ringlse_attention else "sdpa", compile=args.compile,
                 dtype=args.dtype, fits=True, step_s=step_s, step_times_s=times, losses=losses,
-                tokens_per_s_per_gpu=tokens / step_s / world, model_tflops_per_step=statistics.mean(flops) / 1e12,
+                tokens_per_s_per_gpu=tokens / step_s / world,
+                model_tflops_per_step=statistics.mean(flops) / 1e12,
                 mfu=None if peak_tflops is None else flops_per_s / world / (peak_tflops * 1e12),
                 peak_mem_gib=peak.item(), visible_pairs=round(statistics.mean(pairs[timed])),
                 visible_pairs_per_step=pairs, gpu=gpu, torch=torch.__version__,
@@ -235,8 +243,7 @@ def _ring_backend(args, device: torch.device, shape: dict) -> str:
     """The block op the ring ran (what `auto` picked on this machine, so that a record says it)."""
     from ringlse.blocks import get_block_op
 
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}[args.dtype]
-    return get_block_op(args.backend, device, dtype, masked=args.documents and args.backend == "auto",
+    return get_block_op(args.backend, device, compute_dtype(args), masked=args.documents and args.backend == "auto",
                         head_dim=shape["head_dim"]).name
 
 

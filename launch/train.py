@@ -87,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.vocab = PRESETS[args.model]["vocab_size"]
         if args.min_doc == 8 and args.max_doc == 96:  # the exactness check's defaults: documents of 256-16K
             args.min_doc, args.max_doc = 256, 16384
+        if args.dtype == "fp64":
+            # FSDP2's mixed precision computes in bf16 or in the float32 master weights, never float64
+            raise SystemExit("--scale trains in bf16 or fp32: --dtype fp64 would not apply")
         if args.attention == "torch-cp":
             # ringlse's options would be dropped without a word under context parallel: refuse them
             given = [f for f, v in (("--backend", args.backend != "auto"), ("--layout", args.layout is not None),
