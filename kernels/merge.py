@@ -294,9 +294,12 @@ class _Grid:
         self.empty = batch == 0 or self.n_rows == 0 or self.head_dim == 0
         default_rows, default_warps = config(self.head_dim, n)
         if block_rows is None and out.is_cuda and not self.empty:
-            # few rows (decoding: a handful of tokens): smaller tiles, so that more SMs each keep loads
-            # in flight, down to a row per program
-            ctas = 2 * _sm_count(out.device)
+            # few rows (decoding, short prefills): smaller tiles, so that more SMs each keep loads in
+            # flight, down to a row per program. Beyond two states, halving until 64 programs per SM (at 2
+            # per SM, 64-token merges of 16 states ran 4 rows x 2 warps at 0.68-0.74x the copy, now one row
+            # x 1 warp at 0.76-0.83x; 1K tokens 0.82-0.84x -> 0.85-0.88x); two states showed no gain (0.89-1.01x
+            # either way, the runs' spread) and keep 2 per SM (H100)
+            ctas = (2 if n <= 2 else 64) * _sm_count(out.device)
             while default_rows > 1 and cdiv(self.n_rows, default_rows) * batch < ctas:
                 default_rows //= 2
             tile = default_rows * next_power_of_2(self.head_dim)
