@@ -32,6 +32,7 @@ from ringlse.kernels.attention_common import (
     bwd_configs,
     check_accumulator,
     check_dtype,
+    device_capability,
     check_intervals,
     check_qkv_shapes,
     dot_precision,
@@ -388,7 +389,7 @@ def dq_through_tma(dq_acc: torch.Tensor, block_m: int) -> bool:
     per element either way: deterministic."""
     b, sq, _, d = dq_acc.shape
     return (TensorDescriptor is not None and dq_acc.is_cuda and not interpreting()
-            and torch.cuda.get_device_capability(dq_acc.device) == (9, 0) and d == block_d(d) and d <= 128
+            and device_capability(dq_acc.device.index) == (9, 0) and d == block_d(d) and d <= 128
             and (b == 1 or sq % block_m == 0) and tma_indexable(dq_acc))
 
 

@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ringlse.kernels.attention_common import (
+    device_capability,
     interval_tile_range,
     query_tile_key_range,
     softcap_mode,
@@ -619,6 +620,7 @@ MERGE_PERSISTENT_KEYS = 16384
 INTERVAL_CONFIGS = {64: HopperConfig(128, True), 128: HopperConfig(128, True), 192: HopperConfig(128, False)}
 
 
+@functools.cache
 def _gluon_supported() -> bool:
     """Triton 3.6's Gluon (warp_specialize's signature changed before it)."""
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
@@ -642,7 +644,7 @@ def tma_rows_apply(*tensors: torch.Tensor, head_dims: tuple = HEAD_DIMS) -> bool
         return False
     if not _gluon_supported():
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if device_capability(q.device.index) != (9, 0):
         return False
     return all(t.dtype == q.dtype and tma_indexable(t) for t in tensors)
 
