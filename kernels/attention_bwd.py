@@ -32,7 +32,6 @@ from ringlse.kernels.attention_common import (
     bwd_configs,
     check_accumulator,
     check_dtype,
-    device_capability,
     check_intervals,
     check_qkv_shapes,
     dot_precision,
@@ -51,7 +50,7 @@ try:  # the Hopper dk/dv kernel is Gluon, which Triton before 3.5 does not have
     from ringlse.kernels.attention_bwd_hopper import hopper_dkdv, hopper_dkdv_applies, hopper_fuses_dq
 except ImportError:  # pragma: no cover - old Triton
     hopper_dkdv = hopper_dkdv_applies = hopper_fuses_dq = None
-from ringlse.kernels.host import cdiv, interpreting, tma_indexable
+from ringlse.kernels.host import cdiv, device_capability, interpreting, tma_indexable
 
 try:  # host-side TMA descriptors (Triton 3.4 on); without them dq is added by a load, add and store
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -17,7 +17,6 @@ middle; the backward's dk/dv kernel uses it on the inverse intervals (the query 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -361,10 +360,3 @@ def check_accumulator(acc: torch.Tensor, shape: tuple, device: torch.device, wha
         )
     if acc.stride(-1) != 1:
         raise ValueError(f"{what}: {name} must be contiguous in its last dim (it is updated in place)")
-
-
-@functools.cache
-def device_capability(index: int) -> tuple[int, int]:
-    """The compute capability of CUDA device `index`, read once: the launchers ask on every call, and a
-    short ring call makes dozens of them."""
-    return tuple(torch.cuda.get_device_capability(index))

@@ -40,7 +40,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ringlse.kernels.attention_common import (
-    device_capability,
     interval_tile_range,
     query_tile_key_range,
     softcap_mode,
@@ -48,7 +47,7 @@ from ringlse.kernels.attention_common import (
     softmax_step,
     tile_visible,
 )
-from ringlse.kernels.host import rows_view, tma_indexable
+from ringlse.kernels.host import device_capability, rows_view, sm_count, tma_indexable
 from ringlse.kernels.merge_math import merge_finish, merge_fold
 
 # causal and interval blocks: the heads whose tiles go longest first together, at most 8 and as many as
@@ -729,8 +728,3 @@ def smem_layout(rows: int, cols: int, dtype) -> gl.NVMMASharedLayout:
     """The shared-memory layout of a `[rows, cols]` TMA box of `dtype`, built once: a short call's
     launches spent about a third of their pre-launch host time building these."""
     return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
-
-
-@functools.cache
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count

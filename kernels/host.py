@@ -1,4 +1,5 @@
-"""Host-side helpers for the launchers: integer arithmetic, the interpreter switch, TMA's row views.
+"""Host-side helpers for the launchers: integer arithmetic, the interpreter switch, TMA's row views,
+the device queries they make on every call (read once per device).
 
 Importable without Triton (as is `ringlse.kernels` itself), so that `ringlse` and the tests can ask
 `interpreting()` before deciding whether to import a kernel.
@@ -11,7 +12,10 @@ is the whole cost of a call, so the launchers use these plain versions (~0.05 us
 
 from __future__ import annotations
 
+import functools
 import os
+
+import torch
 
 # the spellings of "true" Triton's own switch takes (`triton.knobs.runtime.interpret`, case-insensitive)
 _TRUE = frozenset(("1", "true", "on", "yes", "y"))
@@ -49,3 +53,16 @@ def tma_indexable(t) -> bool:
     """Whether TMA can index `[b, s, heads, d]` `t` as `[b * s, heads * d]` rows (16-byte aligned)."""
     view = rows_view(t)
     return view is not None and t.data_ptr() % 16 == 0 and (view[1][0] * t.element_size()) % 16 == 0
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """The SMs of CUDA device `device_index`, read once."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def device_capability(device_index: int) -> tuple[int, int]:
+    """The compute capability of CUDA device `device_index`, read once: the launchers ask on every call,
+    and a short ring call makes dozens of them."""
+    return tuple(torch.cuda.get_device_capability(device_index))

@@ -25,14 +25,13 @@ before they touch the outputs. Subtracting the max keeps lse values of +-1e4 fin
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from ringlse.kernels.host import cdiv, next_power_of_2
+from ringlse.kernels.host import cdiv, next_power_of_2, sm_count
 from ringlse.kernels.merge_math import merge_finish, merge_lse, merge_shift, merge_term, merge_weight
 
 # states the four-slot kernel merges in one launch
@@ -278,11 +277,6 @@ def state_stride(ts: Sequence[torch.Tensor]) -> int | None:
     return step
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 class _Grid:
     """What both launchers share: the destination as `[B, S, H, D]` / `[B, H, S]` views, the grid and
     the launch configuration (None when there is nothing to do)."""
@@ -295,11 +289,9 @@ class _Grid:
         default_rows, default_warps = config(self.head_dim, n)
         if block_rows is None and out.is_cuda and not self.empty:
             # few rows (decoding, short prefills): smaller tiles, so that more SMs each keep loads in
-            # flight, down to a row per program. Beyond two states, halving until 64 programs per SM (at 2
-            # per SM, 64-token merges of 16 states ran 4 rows x 2 warps at 0.68-0.74x the copy, now one row
-            # x 1 warp at 0.76-0.83x; 1K tokens 0.82-0.84x -> 0.85-0.88x); two states showed no gain (0.89-1.01x
-            # either way, the runs' spread) and keep 2 per SM (H100)
-            ctas = (2 if n <= 2 else 64) * _sm_count(out.device)
+            # flight, down to a row per program; beyond two states, down to 64 programs per SM, which 64- and
+            # 1K-token merges ran faster at (two states gained nothing; docs/decisions.md)
+            ctas = (2 if n <= 2 else 64) * sm_count(out.device.index)
             while default_rows > 1 and cdiv(self.n_rows, default_rows) * batch < ctas:
                 default_rows //= 2
             tile = default_rows * next_power_of_2(self.head_dim)
