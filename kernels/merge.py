@@ -16,7 +16,8 @@ Three kernels, each one launch. `_merge_states_kernel` takes up to four states t
 strides that lie at one distance from each other (a stacked tensor's states, whatever dim they are
 stacked along: FlashInfer's `[T, N, H, D]`, FA4's `[N, T, H, D]`). `_merge_tuple_kernel` takes up to 16
 states anywhere (tuples of pointers and strides); more chain launches through a float32 intermediate. `BASE2`: every lse in and out is in base 2, and the math runs in base 2 (exp2/log2): the same
-weights, with no conversion pass.
+weights, with no conversion pass. The stacked and tuple kernels load every state before any math where
+the states' tiles fit a thread's registers (`PRELOAD`, small tiles: short inputs), else in two passes.
 
 Math per row: `ringlse.kernels.merge_math` (CONVENTIONS.md §3), max first: every state's lse is loaded
 before any math, so the max comes first, then one exp per state and the weights divided by their sum
@@ -39,6 +40,10 @@ MAX_STATES_PER_LAUNCH = 4
 # states of a sequence (not equally spaced) the tuple kernel merges in one launch; merge_states chains
 # launches for more
 MAX_TUPLE_STATES = 16  # 32 spill registers on sm_90 (ptxas -v)
+# values of one thread's tiles, over every state, up to which the stacked and tuple kernels load them all first:
+# one-row tiles gain (one token, 16 states: 0.86 -> 0.92x the copy's bandwidth), two-row tiles of 16 states
+# lose (1K tokens: 0.85 -> 0.76x; docs/decisions.md)
+PRELOAD_VALUES = 64
 
 
 @triton.jit
@@ -81,6 +86,22 @@ def _store_state(OUT, LSE_OUT, acc, lse, b, s, hh, cols, row_ok, mask,
     out_off = b * out_sb + s * out_ss + hh * out_sh
     tl.store(OUT + out_off[:, None] + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
     tl.store(LSE_OUT + b * lo_sb + hh * lo_sh + s * lo_ss, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_loaded(lses, outs, N: tl.constexpr, BASE2: tl.constexpr):
+    """`(lse, out)` of N states already loaded (tuples of `[R]` lses and `[R, D]` outputs), max first."""
+    m = lses[0]
+    for i in tl.static_range(1, N):
+        m = tl.maximum(m, lses[i])
+    shift = merge_shift(m)
+    t = merge_weight(lses[0], shift, BASE2)
+    acc = merge_term(t, outs[0].to(tl.float32))
+    for i in tl.static_range(1, N):
+        w = merge_weight(lses[i], shift, BASE2)
+        t += w
+        acc = acc + merge_term(w, outs[i].to(tl.float32))
+    return merge_finish(shift, t, acc, BASE2)
 
 
 @triton.jit
@@ -160,6 +181,7 @@ def _merge_stacked_kernel(
     BLOCK_D: tl.constexpr,
     IN_PLACE: tl.constexpr,
     BASE2: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     """N states at one stride from each other (`o_sn`, `l_sn` elements): a stacked tensor's states,
     whatever dim they are stacked along. Max first: every lse of the tile is loaded for the max, then
@@ -167,23 +189,33 @@ def _merge_stacked_kernel(
     and no weight has to be picked out of a tile (a cross-lane reduction per state, docs/decisions.md)."""
     b, s, hh, cols, row_ok, mask = _row_tile(n_heads, n_rows, D, BLOCK_R, BLOCK_D)
     l_ptr = L + b * l_sb + hh * l_sh + s * l_ss
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for i in tl.static_range(N):
-        m = tl.maximum(m, tl.load(l_ptr, mask=row_ok, other=float("-inf")))
-        l_ptr += l_sn  # pointer steps: no int32 product of a large stride
-    shift = merge_shift(m)
-    l_ptr = L + b * l_sb + hh * l_sh + s * l_ss
-    ptrs = O + (b * o_sb + s * o_ss + hh * o_sh)[:, None] + cols[None, :]
-    t = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for i in tl.static_range(N):
-        w = merge_weight(tl.load(l_ptr, mask=row_ok, other=float("-inf")), shift, BASE2)
-        o = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        t += w
-        acc = acc + merge_term(w, o)
-        l_ptr += l_sn
-        ptrs += o_sn
-    lse, acc = merge_finish(shift, t, acc, BASE2)
+    o_ptr = O + (b * o_sb + s * o_ss + hh * o_sh)[:, None] + cols[None, :]
+    if PRELOAD:
+        lses = ()
+        outs = ()
+        for i in tl.static_range(N):
+            lses = lses + (tl.load(l_ptr, mask=row_ok, other=float("-inf")),)
+            outs = outs + (tl.load(o_ptr, mask=mask, other=0.0),)
+            l_ptr += l_sn  # pointer steps: no int32 product of a large stride
+            o_ptr += o_sn
+        lse, acc = _merge_loaded(lses, outs, N, BASE2)
+    else:
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        for i in tl.static_range(N):
+            m = tl.maximum(m, tl.load(l_ptr, mask=row_ok, other=float("-inf")))
+            l_ptr += l_sn
+        shift = merge_shift(m)
+        l_ptr = L + b * l_sb + hh * l_sh + s * l_ss
+        t = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        for i in tl.static_range(N):
+            w = merge_weight(tl.load(l_ptr, mask=row_ok, other=float("-inf")), shift, BASE2)
+            o = tl.load(o_ptr, mask=mask, other=0.0).to(tl.float32)
+            t += w
+            acc = acc + merge_term(w, o)
+            l_ptr += l_sn
+            o_ptr += o_sn
+        lse, acc = merge_finish(shift, t, acc, BASE2)
     _store_state(OUT, LSE_OUT, acc, lse, b, s, hh, cols, row_ok, mask,
                  out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss, IN_PLACE)
 
@@ -200,23 +232,33 @@ def _merge_tuple_kernel(
     BLOCK_D: tl.constexpr,
     IN_PLACE: tl.constexpr,
     BASE2: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     """N states anywhere (tuples of tensors `OS`, `LS` and of their strides): the states of a sequence
     of separately allocated tensors, more than the four-slot kernel takes. Max first, as the stacked
     kernel: every lse for the max, then each lse again (a cache hit) with its output, one exp per state."""
     b, s, hh, cols, row_ok, mask = _row_tile(n_heads, n_rows, D, BLOCK_R, BLOCK_D)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for i in tl.static_range(N):
-        m = tl.maximum(m, _load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok))
-    shift = merge_shift(m)
-    t = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for i in tl.static_range(N):
-        w = merge_weight(_load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok), shift, BASE2)
-        o = _load_out(OS[i], b, hh, s, O_SB[i], O_SS[i], O_SH[i], cols, mask)
-        t += w
-        acc = acc + merge_term(w, o)
-    lse, acc = merge_finish(shift, t, acc, BASE2)
+    if PRELOAD:
+        lses = ()
+        outs = ()
+        for i in tl.static_range(N):
+            lses = lses + (_load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok),)
+            outs = outs + (tl.load(OS[i] + (b * O_SB[i] + s * O_SS[i] + hh * O_SH[i])[:, None] + cols[None, :],
+                                   mask=mask, other=0.0),)
+        lse, acc = _merge_loaded(lses, outs, N, BASE2)
+    else:
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        for i in tl.static_range(N):
+            m = tl.maximum(m, _load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok))
+        shift = merge_shift(m)
+        t = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        for i in tl.static_range(N):
+            w = merge_weight(_load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok), shift, BASE2)
+            o = _load_out(OS[i], b, hh, s, O_SB[i], O_SS[i], O_SH[i], cols, mask)
+            t += w
+            acc = acc + merge_term(w, o)
+        lse, acc = merge_finish(shift, t, acc, BASE2)
     _store_state(OUT, LSE_OUT, acc, lse, b, s, hh, cols, row_ok, mask,
                  out_sb, out_ss, out_sh, lo_sb, lo_sh, lo_ss, IN_PLACE)
 
@@ -309,6 +351,12 @@ class _Grid:
         return dict(N=n, D=self.head_dim, BLOCK_R=self.block_rows, BLOCK_D=next_power_of_2(self.head_dim),
                     IN_PLACE=self.in_place, BASE2=base2, num_warps=self.num_warps)
 
+    def preload(self, n: int) -> bool:
+        """Whether every state's tile fits in registers at once (the kernels then load them all before any
+        math: one memory round trip, not one for the lses and one for the outputs)."""
+        per_thread = self.block_rows * next_power_of_2(self.head_dim) // (32 * self.num_warps)
+        return per_thread * n <= PRELOAD_VALUES
+
 
 def _launch(
     outs: Sequence[torch.Tensor],
@@ -357,7 +405,7 @@ def _launch_stacked(
         o0, l0, g.out4, g.lse4, g.nheads, g.n_rows,
         o_sn, o0.stride(0), o0.stride(1), o0.stride(2),
         l_sn, l0.stride(0), l0.stride(1), l0.stride(2),
-        *g.dst_args(), **g.constants(n, base2),
+        *g.dst_args(), **g.constants(n, base2), PRELOAD=g.preload(n),
     )
 
 
@@ -380,7 +428,7 @@ def _launch_tuple(
         o4, l4, g.out4, g.lse4, g.nheads, g.n_rows,
         *(tuple(x.stride(k) for x in o4) for k in range(3)),
         *(tuple(x.stride(k) for x in l4) for k in range(3)),
-        *g.dst_args(), **g.constants(n, base2),
+        *g.dst_args(), **g.constants(n, base2), PRELOAD=g.preload(n),
     )
 
 

@@ -588,9 +588,11 @@ def test_gpu_update_in_place(layout, base, kernel_calls):
 
 @pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize(("n", "stacked"), [(2, False), (3, True), (16, True)], ids=["slots-n2", "stacked-n3", "stacked-n16"])
-@pytest.mark.parametrize(("block_rows", "num_warps"), [(1, 1), (2, 1), (4, 2)], ids=["rows1", "rows2", "rows4"])
+@pytest.mark.parametrize(("block_rows", "num_warps"), [(1, 1), (2, 1), (4, 2), (16, 1)],
+                         ids=["rows1", "rows2", "rows4", "rows16"])
 def test_kernel_small_tiles(block_rows, num_warps, n, stacked, base, device):
-    """The small tiles the launcher picks for a few rows (decoding) on a GPU: one to four rows a program."""
+    """The small tiles the launcher picks for a few rows (decoding) on a GPU: one to four rows a program,
+    every state loaded before any math; and 16 rows a warp, where the states are loaded in two passes."""
     km = pytest.importorskip("ringlse.kernels.merge")
     shape = (1, 3, 5, 80)
     outs, lses = draw_states(n, shape, "tokens_first", dtype=torch.float16, seed=25)
