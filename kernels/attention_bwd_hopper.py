@@ -29,7 +29,6 @@ decrease somewhere, which no mask of ringlse makes, keep the sum but not its ord
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -39,12 +38,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ringlse.kernels.attention_common import key_tile_query_range, softcap_mode, softcap_scores
 from ringlse.kernels.attention_fwd_hopper import interval_walk, smem_layout, tma_rows_apply
 from ringlse.kernels.hopper_ops import pass_turn, tma_add, tma_add_from_smem, wait_turn
-from ringlse.kernels.host import rows_view, tma_indexable
+from ringlse.kernels.host import cdiv, rows_view, tma_indexable
+from ringlse.kernels.launch import TmaDesc, launch
 
 BLOCK_N = 128  # keys per program (64 per consumer warpgroup)
 # queries per step: 64 (at head dim 128 ptxas spilled 20-104 bytes, dk, dv, S^T, dP^T, P^T and dS^T
@@ -539,7 +538,7 @@ def hopper_dkdv(
     descs = []
     for t, rows in ((q, bm), (dout, bm), (k, 64), (v, 64)):
         shape, strides = rows_view(t)
-        descs.append(TensorDescriptor(t, shape, strides, [rows, d], smem_layout(rows, d, gl_dtype)))
+        descs.append(TmaDesc(t, shape, strides, (rows, d), smem_layout(rows, d, gl_dtype)))
     # lse and delta rows through TMA with Q and dO, where TMA can index them as [b * h, sq] rows: loaded by
     # each consumer at each step, their latency sat before P (dk/dv x1.08-1.21 by TMA)
     row_tma = (lse.is_contiguous() and delta.stride() == lse.stride() and sq % 4 == 0
@@ -547,27 +546,27 @@ def hopper_dkdv(
     row_layout = smem_layout(1, bm, gl.float32)
     for t in (lse, delta):
         if row_tma:
-            descs.append(TensorDescriptor(t, [b * h, sq], [sq, 1], [1, bm], row_layout))
+            descs.append(TmaDesc(t, (b * h, sq), (sq, 1), (1, bm), row_layout))
         else:  # unused: any descriptor of the kernel's box
-            descs.append(TensorDescriptor(lse.new_empty(4, bm), [4, bm], [bm, 1], [1, bm], row_layout))
+            descs.append(TmaDesc(lse.new_empty(4, bm), (4, bm), (bm, 1), (1, bm), row_layout))
     accs = [dk_acc, dv_acc]
     sems = [None, None]
-    n_kt = triton.cdiv(sk, BLOCK_N)
+    n_kt = cdiv(sk, BLOCK_N)
     if reduce:
         layout = smem_layout(64, d, gl.float32)
-        accs = [TensorDescriptor(t, *rows_view(t), [64, d], layout) for t in accs]
+        accs = [TmaDesc(t, *rows_view(t), (64, d), layout) for t in accs]
         if fused:
-            accs.append(TensorDescriptor(dq_acc, *rows_view(dq_acc), [64, d], layout))
+            accs.append(TmaDesc(dq_acc, *rows_view(dq_acc), (64, d), layout))
             # the turns that keep the adds' order fixed: per query tile's dq, the highest `n_kt - key tile`
             # that has added; per key tile half's dk/dv, the query heads that have added
-            n_dq = b * h * triton.cdiv(sq, bm)
+            n_dq = b * h * cdiv(sq, bm)
             sem = torch.zeros(n_dq + b * hkv * n_kt * 2, dtype=torch.int32, device=q.device)
             sems = [sem[:n_dq], sem[n_dq:]]
     if not fused:
         accs.append(None)
     grid = (n_kt, b * (h if fused else hkv))
-    _attn_bwd_dkdv_hopper_kernel[grid](
-        *descs, lse, delta, *accs, *sems,
+    launch(
+        _attn_bwd_dkdv_hopper_kernel, grid, *descs, lse, delta, *accs, *sems,
         lse.stride(0), lse.stride(1), lse.stride(2),
         dk_acc.stride(0), dk_acc.stride(1), dk_acc.stride(2), dv_acc.stride(0), dv_acc.stride(1), dv_acc.stride(2),
         hkv, h // hkv, sq, sk, offset, qk_scale, dk_scale, dq_scale, query_lo, query_hi, float(softcap),

@@ -37,7 +37,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ringlse.kernels.attention_common import (
     interval_tile_range,
@@ -47,7 +46,8 @@ from ringlse.kernels.attention_common import (
     softmax_step,
     tile_visible,
 )
-from ringlse.kernels.host import device_capability, rows_view, sm_count, tma_indexable
+from ringlse.kernels.host import cdiv, device_capability, rows_view, sm_count, tma_indexable
+from ringlse.kernels.launch import TmaDesc, launch
 from ringlse.kernels.merge_math import merge_finish, merge_fold
 
 # causal and interval blocks: the heads whose tiles go longest first together, at most 8 and as many as
@@ -691,17 +691,17 @@ def hopper_forward(
                           (out if o_tma else q, 64, dv if o_tma else chunk)):
         shape, strides = rows_view(t)
         elem = gl.float32 if t.dtype == torch.float32 else gl_dtype
-        descs.append(TensorDescriptor(t, shape, strides, [rows, cols], smem_layout(rows, cols, elem)))
+        descs.append(TmaDesc(t, shape, strides, (rows, cols), smem_layout(rows, cols, elem)))
     consumers = block_m // 64
     # 2 consumers: 12 warps (the loader's warpgroup padded) x 168 registers = 240 per consumer thread, 24 for
     # the loader; 3 consumers: 16 warps x 128, 160 per worker consumer
     maxnreg, regs = (168, 240) if consumers == 2 else (128, 160)
-    total = triton.cdiv(sq, block_m) * b * h
+    total = cdiv(sq, block_m) * b * h
     # persistent programs over uneven tiles take them as they go; even ones round-robin
     dynamic = persistent and (causal or intervals)
     grid = (min(total, sm_count(q.device.index)) if persistent else total,)
-    _attn_fwd_hopper_kernel[grid](
-        *descs, out, lse,
+    launch(
+        _attn_fwd_hopper_kernel, grid, *descs, out, lse,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         b, h, h // hkv, sq, sk, offset, softmax_scale * 1.4426950408889634, key_lo, key_hi,
         torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else lse,

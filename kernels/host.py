@@ -40,13 +40,13 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def rows_view(t) -> tuple[list[int], list[int]] | None:
+def rows_view(t) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """Shape and strides of a `[b, s, heads, d]` tensor seen as a `[b * s, heads * d]` matrix (what TMA
     descriptors index), or None when the strides do not allow it."""
     b, s, nh, d = t.shape
     if t.stride(3) != 1 or t.stride(2) != d or (b > 1 and t.stride(0) != s * t.stride(1)):
         return None
-    return [b * s, nh * d], [t.stride(1), 1]
+    return (b * s, nh * d), (t.stride(1), 1)
 
 
 def tma_indexable(t) -> bool:

@@ -12,9 +12,15 @@ once, a call keys only the ones it passes, and the compiled launcher's C functio
 pointers as integers (H200 host, an empty kernel of five tensor arguments: 7.9 us a launch, 11.7
 through `launch`; of one tensor, ~16 through `kernel[grid]`).
 
+Kernels that take TMA descriptors (the Hopper attention kernels) get them as `TmaDesc`s: `launch` keys
+a descriptor by what Triton specialises it on, and on a hit hands the compiled launcher's C function the
+descriptor's tensor map from a cache keyed by its contents (address, shape, strides, box, swizzle), so
+that neither a `TensorDescriptor` (its checks) nor a tensor map (a driver call) is built per launch: a
+ring reuses its K/V buffers, a layer its Q.
+
 Every case it does not know to be safe takes Triton's own path: the interpreter (CPU), tensors not on
-a CUDA device, launch hooks set (profilers), pre-run hooks, argument types other than tensors, ints,
-floats, bools and None, constexprs passed positionally, and a Triton other than 3.6, whose launcher
+a CUDA device, launch hooks set (profilers), pre-run hooks, argument types other than tensors, `TmaDesc`s,
+ints, floats, bools and None, constexprs passed positionally, and a Triton other than 3.6, whose launcher
 internals these paths do not know (`FAST_PATH`). Not re-checked on a hit (Triton does on every launch):
 that the constexpr globals a kernel reads kept their values, and a kernel's source patched at run time
 (`_unsafe_update_src`).
@@ -25,11 +31,15 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
 
+try:
+    from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
+except ImportError:  # no CUDA backend: every launch takes Triton's path
+    _make_tensordesc_arg = None
 try:
     from triton import knobs as _knobs
     from triton.knobs import HookChain as _HookChain
@@ -64,6 +74,49 @@ _CACHE: dict[tuple, tuple | None] = {}
 _MISSING = object()
 
 
+class TmaDesc(NamedTuple):
+    """A TMA descriptor's parts, passed to `launch` in a descriptor argument's place: Triton's path gets
+    the `TensorDescriptor` they make; the fast path only the tensor map, cached (see the module's docstring).
+
+    `base` is the tensor, `shape`/`strides` the matrix TMA indexes (elements), `block` its box, `layout`
+    the box's `NVMMASharedLayout`."""
+
+    base: torch.Tensor
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    block: tuple[int, ...]
+    layout: Any
+    padding: str = "zero"
+
+    def descriptor(self):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block), self.layout,
+                                self.padding)
+
+
+def _tritons_args(args: tuple) -> tuple:
+    return tuple(a.descriptor() if type(a) is TmaDesc else a for a in args)
+
+
+_MAX_TENSOR_MAPS = 1024  # tensor maps kept; the cache starts over past this
+# (address, shape, strides, the compiled kernel's descriptor metadata) -> the launcher's arguments
+_TENSOR_MAPS: dict[tuple, list] = {}
+
+
+def _tensor_map_args(desc: TmaDesc, meta: dict) -> list:
+    """The C launcher's arguments for `desc` (its tensor map, shape and strides), built by Triton's own
+    encoder once per content: a tensor map holds nothing but what the key holds."""
+    key = (desc.base.data_ptr(), desc.shape, desc.strides, desc.padding, meta["swizzle"], meta["elem_size"],
+           meta["elem_type"], tuple(meta["block_size"]), meta["fp4_padded"])
+    got = _TENSOR_MAPS.get(key)
+    if got is None:
+        if len(_TENSOR_MAPS) >= _MAX_TENSOR_MAPS:
+            _TENSOR_MAPS.clear()
+        got = _TENSOR_MAPS[key] = _make_tensordesc_arg(desc, meta)
+    return got
+
+
 def current_raw_stream(index: int | None) -> int:
     """The current CUDA stream's handle. `torch.cuda.current_stream()` builds a Stream object (several
     us of host time per call); the raw getter, which Triton's own launcher uses, does not.
@@ -96,6 +149,11 @@ def _spec(arg) -> tuple | None:
     """
     if isinstance(arg, torch.Tensor):  # (first: after integers, which `launch` keys apart, the most common)
         return (arg.dtype, arg.data_ptr() % 16 == 0, arg.is_cuda)
+    if type(arg) is TmaDesc:
+        # Triton specialises a descriptor on its type (dtype, box, layout); shape and stride features,
+        # alignment and device are finer (a misaligned base then misses, and Triton's path checks it)
+        return ("tma", arg.base.dtype, arg.base.data_ptr() % 16 == 0, arg.base.is_cuda, arg.block, arg.layout,
+                arg.padding, tuple(x % 16 == 0 for x in arg.shape), tuple(x % 16 == 0 for x in arg.strides))
     t = type(arg)
     if t is bool:  # (before int: bool is an int subclass; `type(arg) is int` excludes it anyway)
         return ("b",)
@@ -134,6 +192,9 @@ def _build_entry(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, con
         return None
     if any(isinstance(a, torch.Tensor) and not a.is_cuda for a in args):
         return None
+    descs = [i for i, a in enumerate(args) if type(a) is TmaDesc]
+    if descs and (_make_tensordesc_arg is None or any(not args[i].base.is_cuda for i in descs)):
+        return None
     try:
         params = kernel.params
         n = len(args)
@@ -147,14 +208,35 @@ def _build_entry(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, con
             return None
     except AttributeError:
         return None
-    compiled = kernel.warmup(*args, grid=grid, num_warps=num_warps, **consts)
+    compiled = kernel.warmup(*_tritons_args(args), grid=grid, num_warps=num_warps, **consts)
     if compiled is None or hasattr(compiled, "result"):
         return _MISSING
     try:
         run = compiled.run  # (a property: loads the binary onto the current device)
-        return run, compiled.function, compiled.packed_metadata, names, kernel
+        tma = _tma_launcher(run, compiled, len(descs)) if descs else None
+        if descs and tma is None:
+            return None
+        return run, compiled.function, compiled.packed_metadata, names, kernel, tma
     except AttributeError:
         return None
+
+
+def _tma_launcher(run, compiled, n_descs: int) -> tuple | None:
+    """`(C launch function, its arguments before the kernel's, each descriptor's metadata)` of a compiled
+    kernel taking TMA descriptors, or None (Triton's path) where it is not as Triton 3.6 builds it: the
+    C function is the one Triton's descriptor wrapper closes over, and the kernel uses no scratch memory."""
+    metas = getattr(compiled.metadata, "tensordesc_meta", None)
+    if not metas or len(metas) != n_descs or any(m is None for m in metas):
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    cells = getattr(getattr(run, "launch", None), "__closure__", None) or ()
+    c = [x.cell_contents for x in cells
+         if callable(x.cell_contents) and getattr(x.cell_contents, "__name__", "") == "launch"]
+    if len(c) != 1:
+        return None
+    head = (run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata, None, None, None)
+    return c[0], head, tuple(metas)
 
 
 def launch(kernel, grid: tuple[int, ...], *args, num_warps: int, **consts) -> None:
@@ -163,7 +245,8 @@ def launch(kernel, grid: tuple[int, ...], *args, num_warps: int, **consts) -> No
     Args:
         kernel: a `@triton.jit` function.
         grid: 1 to 3 program counts.
-        *args: the kernel's runtime arguments, positionally, in signature order.
+        *args: the kernel's runtime arguments, positionally, in signature order (a TMA descriptor as a
+            `TmaDesc`).
         num_warps: warps per program.
         **consts: the constexpr parameters (by keyword), and any other launch option.
 
@@ -192,12 +275,23 @@ def launch(kernel, grid: tuple[int, ...], *args, num_warps: int, **consts) -> No
             else:
                 entry = None
     if entry is None:
-        kernel[grid](*args, num_warps=num_warps, **consts)
+        kernel[grid](*_tritons_args(args), num_warps=num_warps, **consts)
         return
-    run, function, metadata, names, _ = entry
+    run, function, metadata, names, _, tma = entry
     g0, g1, g2 = (*grid, 1, 1)[:3]
-    # launch metadata, enter hook, exit hook: all None while no hook is set
-    run(g0, g1, g2, _STREAM_GETTER(device), function, metadata, None, None, None, *args, *map(consts.get, names))
+    if tma is None:
+        # launch metadata, enter hook, exit hook: all None while no hook is set
+        run(g0, g1, g2, _STREAM_GETTER(device), function, metadata, None, None, None, *args, *map(consts.get, names))
+        return
+    c, head, metas = tma
+    flat, j = [], 0
+    for a in args:
+        if type(a) is TmaDesc:
+            flat.extend(_tensor_map_args(a, metas[j]))
+            j += 1
+        else:
+            flat.append(a)
+    c(g0, g1, g2, _STREAM_GETTER(device), function, *head, *flat, *map(consts.get, names))
 
 
 class _Free:
@@ -228,8 +322,8 @@ class BoundLaunch:
     __slots__ = ("kernel", "grid", "args", "num_warps", "consts", "free", "entries", "jit")
 
     def __init__(self, kernel, grid: tuple[int, ...], *args, num_warps: int, **consts):
-        if any(isinstance(a, torch.Tensor) for a in args):
-            raise TypeError("BoundLaunch: tensors are per-call arguments (FREE), not fixed ones")
+        if any(isinstance(a, (torch.Tensor, TmaDesc)) for a in args):
+            raise TypeError("BoundLaunch: tensors are per-call arguments (FREE), not fixed ones; no TMA descriptors")
         self.kernel, self.grid, self.args, self.num_warps, self.consts = kernel, tuple(grid), args, num_warps, consts
         self.free = tuple(i for i, a in enumerate(args) if a is FREE)
         # key -> (launcher, function, the launcher's arguments before the kernel's, the kernel's with the
@@ -290,7 +384,7 @@ class BoundLaunch:
             return None
         entry = None
         if built is not None:
-            run, function, metadata, names, _ = built
+            run, function, metadata, names, _, _ = built
             args = list(self.args) + [self.consts[n] for n in names]
             # the compiled launcher's C function where Triton's Python wrapper would only add scratch
             # buffers this kernel does not use; else the wrapper

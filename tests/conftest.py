@@ -36,7 +36,7 @@ def kernels():
 @pytest.fixture
 def launches():
     """The launches the softmax launchers make during the test (`launch.recorded_launches`)."""
-    from ringlse.lse.kernels.launch import recorded_launches
+    from ringlse.kernels.launch import recorded_launches
 
     with recorded_launches() as seen:
         yield seen

@@ -1,5 +1,5 @@
 """Inputs, float64 references and launch helpers shared by the LSE toolkit's tests (tests/test_lse_toolkit.py:
-the PyTorch fallbacks and the kernels under the interpreter; tests/test_lse_launch.py: Triton's launch
+the PyTorch fallbacks and the kernels under the interpreter; tests/test_launch.py: Triton's launch
 path; tests/test_lse_log_bmm_kernel.py: the log_bmm kernels; tests/test_lse_toolkit_gpu.py: CUDA)."""
 
 from __future__ import annotations

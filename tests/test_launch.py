@@ -1,5 +1,6 @@
-"""The LSE toolkit's launch path (`ringlse/lse/kernels/launch.py`: Triton's launch without its binder),
-tested on fakes here and on the GPU in tests/test_lse_toolkit_gpu.py. Judged as tests/test_lse_toolkit.py
+"""The kernels' launch path (`kernels/launch.py`: Triton's launch without its binder, taken by the LSE
+toolkit and by the Hopper attention kernels), tested on fakes here and on the GPU in
+tests/test_lse_toolkit_gpu.py and tests/test_attention_hopper_gpu.py. Judged as tests/test_lse_toolkit.py
 says."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ pytestmark = INTERPRETER_WARNINGS
 def test_launch_spec_features():
     """`_spec` is at least as fine as Triton 3.6's specialisation: every class Triton compiles apart
     gets its own features, and values Triton treats alike may share them."""
-    from ringlse.lse.kernels.launch import _spec
+    from ringlse.kernels.launch import _spec
 
     buf = torch.empty(64)
     aligned, offset = buf[:8], buf[1:9]
@@ -72,7 +73,7 @@ def test_launch_cache_and_call_protocol(monkeypatch):
     metadata, no hooks, every parameter in signature order, constexprs included); a key differing in
     any specialisation feature (integers: in value) compiles again; what the fast path does not handle
     goes to kernel[grid]."""
-    from ringlse.lse.kernels import launch as kl
+    from ringlse.kernels import launch as kl
 
     monkeypatch.setattr(kl, "_CACHE", {})
     monkeypatch.setattr(kl, "_fast_path_on", lambda kernel: True)
@@ -139,7 +140,7 @@ def test_bound_launch_call_protocol(monkeypatch):
     scratch goes through the wrapper, and what the fast path does not handle goes to Triton's path."""
     from triton.knobs import HookChain
 
-    from ringlse.lse.kernels import launch as kl
+    from ringlse.kernels import launch as kl
 
     monkeypatch.setattr(kl, "_CACHE", {})
     monkeypatch.setattr(kl, "_JITFunction", _FakeBoundKernel)
@@ -184,11 +185,88 @@ def test_bound_launch_call_protocol(monkeypatch):
     assert seen == [(plain, (3,), (16, 5), {"num_warps": 4, "B": 8, "C": True})] and not plain.calls
 
 
+class _FakeCudaTensor:
+    """What a `TmaDesc` reads of its tensor, for a CUDA tensor on a machine without one."""
+
+    def __init__(self, ptr: int):
+        self.ptr, self.dtype, self.is_cuda = ptr, torch.float16, True
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+class _FakeTmaKernel(_FakeKernel):
+    """A kernel of a descriptor, an integer and a constexpr, compiled as Triton 3.6 compiles one: its
+    launcher's descriptor wrapper closes over the C function."""
+
+    def __init__(self):
+        super().__init__()
+        self.params = [_FakeParam("desc", False), _FakeParam("n", False), _FakeParam("B", True)]
+        self.arg_names = [p.name for p in self.params]
+
+    def warmup(self, *args, grid, num_warps, **consts):
+        compiled = super().warmup(*args, grid=grid, num_warps=num_warps, **consts)
+        kernel = self
+
+        def launch(*a):
+            kernel.calls.append(("c", a))
+
+        def wrapper(*a):  # Triton's: builds every tensor map again, per launch
+            raise AssertionError("the fast path calls the C function itself")
+            launch(*a)
+
+        run = type("Run", (), dict(launch=staticmethod(wrapper), global_scratch_size=0, profile_scratch_size=0,
+                                   launch_cooperative_grid=False, launch_pdl=True))()
+        meta = type("Meta", (), {"tensordesc_meta": [dict(swizzle=64, elem_size=2, elem_type=1, block_size=[16, 32],
+                                                          fp4_padded=False)]})()
+        return type("Compiled", (), {"run": run, "function": compiled.function, "metadata": meta,
+                                     "packed_metadata": compiled.packed_metadata})()
+
+
+def test_launch_tma_descriptors(monkeypatch):
+    """A kernel taking TMA descriptors (`TmaDesc`): a hit hands the C launcher each descriptor's tensor
+    map, shape and strides (as Triton's wrapper would), the map built once per content (address, shape,
+    strides), not per launch; a descriptor of another alignment compiles apart, where Triton's own checks
+    run (a misaligned base raises); with the fast path off Triton gets a real `TensorDescriptor`."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ringlse.kernels import launch as kl
+
+    monkeypatch.setattr(kl, "_CACHE", {})
+    monkeypatch.setattr(kl, "_TENSOR_MAPS", {})
+    monkeypatch.setattr(kl, "_fast_path_on", lambda kernel: True)
+    monkeypatch.setattr(kl, "_STREAM_GETTER", lambda index: 1000 + index)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    maps = []
+    monkeypatch.setattr(kl, "_make_tensordesc_arg",
+                        lambda d, meta: maps.append(d.base.data_ptr()) or [("map", len(maps)), *d.shape, *d.strides])
+    layout = gl.NVMMASharedLayout.get_default_for([16, 32], gl.float16)
+    desc = lambda ptr, rows=64: kl.TmaDesc(_FakeCudaTensor(ptr), (rows, 32), (32, 1), (16, 32), layout)  # noqa: E731
+    k = _FakeTmaKernel()
+    kl.launch(k, (4,), desc(4096), 7, num_warps=4, B=8)
+    assert len(k.compiled) == 1 and isinstance(k.compiled[0][0][0], TensorDescriptor)  # compiled for a real one
+    call = ("c", (4, 1, 1, 1002, 1, False, True, None, None, ("meta", 1), None, None, None,
+                  ("map", 1), 64, 32, 32, 1, 7, 8))
+    assert k.calls == [call] and maps == [4096]
+    kl.launch(k, (4,), desc(4096), 7, num_warps=4, B=8)  # a hit, and the same tensor map
+    assert len(k.compiled) == 1 and k.calls[-1] == call and maps == [4096]
+    kl.launch(k, (4,), desc(8192, rows=80), 7, num_warps=4, B=8)  # same features, new content: a new map
+    assert len(k.compiled) == 1 and maps == [4096, 8192] and k.calls[-1][1][13:16] == (("map", 2), 80, 32)
+    with pytest.raises(AssertionError, match="16-byte aligned"):  # another key: Triton's checks see it
+        kl.launch(k, (4,), desc(4104), 7, num_warps=4, B=8)
+    monkeypatch.setattr(kl, "_fast_path_on", lambda kernel: False)
+    kl.launch(k, (3,), desc(4096), 7, num_warps=4, B=8)
+    assert k.calls[-1][:2] == ("slow", (3,)) and isinstance(k.calls[-1][2][0], TensorDescriptor)
+    with pytest.raises(TypeError, match="TMA"):
+        kl.BoundLaunch(k, (4,), desc(4096), kl.FREE, num_warps=4, B=8)
+
+
 def test_fast_path_only_on_the_triton_it_knows(monkeypatch):
     """The fast paths call Triton 3.6's launcher internals, so they are on for 3.6 only (`FAST_PATH`);
     with them off (another Triton, forced here) a `BoundLaunch` is Triton's own `kernel[grid](...)`,
     through the same interface and with the same arguments."""
-    from ringlse.lse.kernels import launch as kl
+    from ringlse.kernels import launch as kl
 
     assert kl.fast_path_supported("3.6.0") and kl.fast_path_supported("3.6.1+git1a2b3c")
     assert not any(map(kl.fast_path_supported, ("3.5.1", "3.7.0", "4.6.0", "36.0", "dev")))
@@ -213,7 +291,7 @@ def test_fast_path_only_on_the_triton_it_knows(monkeypatch):
 def test_launch_takes_tritons_path_when_it_must(kernels, monkeypatch):
     from triton.knobs import HookChain
 
-    from ringlse.lse.kernels import launch as kl
+    from ringlse.kernels import launch as kl
 
     from ringlse.lse.kernels.softmax.row_kernels import fwd_rows_kernel
 

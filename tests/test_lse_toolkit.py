@@ -11,7 +11,7 @@ float16: the interpreter is only trusted for those, CONVENTIONS.md §7). GPU (`@
 functions on CUDA in bf16/fp16/fp32, rows up to 1M columns, and log_bmm.
 
 The kernels' paths are steered through `ringlse.lse.kernels.softmax.config_override` (rows shrunk so that
-small inputs take the long-row kernels) and observed through `ringlse.lse.kernels.launch.recorded_launches`.
+small inputs take the long-row kernels) and observed through `ringlse.kernels.launch.recorded_launches`.
 """
 
 from __future__ import annotations
@@ -388,7 +388,7 @@ def test_kernel_aligned_rows_any_length_and_stride(data):
     derived from PyTorch's own bf16 softmax does not allow on rows of a few elements (found here: a row
     of 2); bf16 runs compiled in `test_gpu_aligned_rows`."""
     from ringlse.lse.kernels import softmax as ks
-    from ringlse.lse.kernels.launch import recorded_launches
+    from ringlse.kernels.launch import recorded_launches
 
     dtype = data.draw(st.sampled_from([torch.float32, torch.float16]), "dtype")
     mode = data.draw(st.sampled_from(MODES), "mode")
@@ -413,7 +413,7 @@ def test_cooperative_launch_refused_takes_fewer_programs():
     halves its programs (a whole number of rows in flight unless the kernel takes tasks) and remembers
     the count for the next launch of that plan; below one row's K programs it reports that it ran
     nothing (the call plan is then built again and avoids the grid); other errors propagate."""
-    from ringlse.lse.kernels.launch import FREE
+    from ringlse.kernels.launch import FREE
     from ringlse.lse.kernels.softmax.coop_launch import CoopGrid
 
     grids = []

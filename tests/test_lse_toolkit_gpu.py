@@ -326,7 +326,7 @@ def test_gpu_cooperative_kernels_on_two_streams_at_once():
     match the results of one stream: they launch as cooperative grids, so the driver never leaves part
     of one grid waiting behind the other while its placed programs spin."""
     from ringlse.lse.kernels import softmax as ks
-    from ringlse.lse.kernels.launch import recorded_launches
+    from ringlse.kernels.launch import recorded_launches
 
     x1 = torch.randn(256, 65536, device="cuda")
     x2 = torch.randn(128, 131072, device="cuda", dtype=torch.bfloat16)
@@ -481,7 +481,7 @@ def test_gpu_fast_launch_alignment_and_int_specialisation(monkeypatch, order, re
     16-byte-aligned pointers (or for R == 1) must never serve a misaligned input (or R == 3),
     whichever runs first; logsumexp's backward takes lse and g of any alignment in one plan.
     Forward, logsumexp and both backwards on the same shapes, against float64."""
-    from ringlse.lse.kernels import launch as kl
+    from ringlse.kernels import launch as kl
     from ringlse.lse.kernels import softmax as ks
 
     slow, real = [], kl.launch
@@ -520,7 +520,7 @@ def test_gpu_tritons_own_launch_path(monkeypatch):
     """With the fast paths off (`launch.FAST_PATH`: a Triton other than 3.6), every launch is Triton's own
     `kernel[grid](...)`, cooperative grids included: bit for bit the fast paths' results, for the row,
     aligned, split and cooperative kernels, forward and backward."""
-    from ringlse.lse.kernels import launch as kl
+    from ringlse.kernels import launch as kl
     from ringlse.lse.kernels import softmax as ks
 
     cases = [((64, 4097), torch.bfloat16), ((3, 131072), torch.float32), ((256, 65536), torch.float32),

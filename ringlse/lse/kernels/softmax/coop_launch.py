@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ringlse.kernels.host import cdiv, interpreting, next_power_of_2
-from ringlse.lse.kernels.launch import FREE, BoundLaunch
+from ringlse.kernels.launch import FREE, BoundLaunch
 from ringlse.lse.kernels.occupancy import blocks_per_sm_by_driver, blocks_per_sm_by_rules
 
 from .config import SoftmaxConfig

@@ -18,7 +18,7 @@ import threading
 import torch
 
 from ringlse.kernels.host import cdiv
-from ringlse.lse.kernels.launch import current_raw_stream
+from ringlse.kernels.launch import current_raw_stream
 
 
 @functools.cache

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ringlse.kernels.host import cdiv, next_power_of_2
-from ringlse.lse.kernels.launch import FREE, BoundLaunch
+from ringlse.kernels.launch import FREE, BoundLaunch
 
 from .config import SoftmaxConfig
 from .device import num_sms, partials, row_counters, workspace
