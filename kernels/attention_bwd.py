@@ -51,6 +51,7 @@ try:  # the Hopper dk/dv kernel is Gluon, which Triton before 3.5 does not have
 except ImportError:  # pragma: no cover - old Triton
     hopper_dkdv = hopper_dkdv_applies = hopper_fuses_dq = None
 from ringlse.kernels.host import cdiv, device_capability, interpreting, tma_indexable
+from ringlse.kernels.launch import launch
 
 try:  # host-side TMA descriptors (Triton 3.4 on); without them dq is added by a load, add and store
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -397,8 +398,8 @@ def _delta_impl(dout: torch.Tensor, out: torch.Tensor, delta: torch.Tensor) -> N
     b, s, h, d = out.shape
     block_m = 32 if interpreting() else 64
     grid = (cdiv(s, block_m), b * h)
-    _delta_kernel[grid](
-        dout, out, delta,
+    launch(
+        _delta_kernel, grid, dout, out, delta,
         dout.stride(0), dout.stride(1), dout.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         h, s, HEAD_D=d, BLOCK_D=block_d(d), BLOCK_M=block_m, num_warps=4,

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ringlse.kernels.host import cdiv, next_power_of_2, sm_count
+from ringlse.kernels.launch import launch
 from ringlse.kernels.merge_math import merge_finish, merge_lse, merge_shift, merge_term, merge_weight
 
 # states the four-slot kernel merges in one launch
@@ -277,6 +278,19 @@ def _flat_lse(x: torch.Tensor) -> torch.Tensor:
     return x.view(-1, h, s)
 
 
+def _state_strides(x: torch.Tensor, dims: int) -> tuple[int, int, int]:
+    """The strides of `x` (an out, `dims` 3, or an lse, 2) as `_flat_out`/`_flat_lse` would give them, made
+    without a view where there are no leading dims (a decode step's merge pays ~1 us of host time a view):
+    a missing batch dim's stride is never used (the batch index is 0), so any value does."""
+    st = x.stride()
+    if len(st) == dims:
+        return (0, *st[:2])
+    if len(st) == dims + 1:
+        return st[:3]
+    flat = _flat_out(x) if dims == 3 else _flat_lse(x)
+    return flat.stride()[:3]
+
+
 def default_config(head_dim: int, n_states: int) -> tuple[int, int]:
     """`(block_rows, num_warps)` used when the caller gives none.
 
@@ -341,7 +355,8 @@ class _Grid:
         self.block_rows = default_rows if block_rows is None else block_rows
         self.num_warps = default_warps if num_warps is None else num_warps
         self.grid = (cdiv(self.n_rows, self.block_rows), batch)
-        self.in_place = any(_shares_memory(dst, src) for dst in (out, lse) for src in srcs)
+        held = {src.untyped_storage().data_ptr() for src in srcs}
+        self.in_place = any(dst.untyped_storage().data_ptr() in held for dst in (out, lse))
 
     def dst_args(self) -> list:
         o, l = self.out4, self.lse4
@@ -371,17 +386,13 @@ def _launch(
     g = _Grid(out, lse, default_config, n, block_rows, num_warps, (*outs, *lses))
     if g.empty:
         return
-    o4 = [_flat_out(x) for x in outs]
-    l4 = [_flat_lse(x) for x in lses]
     # unused slots repeat state 0; the kernel never touches them (N is a compile-time constant)
-    o_args = o4 + [o4[0]] * (MAX_STATES_PER_LAUNCH - n)
-    l_args = l4 + [l4[0]] * (MAX_STATES_PER_LAUNCH - n)
-    o_strides = [st for x in o_args for st in (x.stride(0), x.stride(1), x.stride(2))]
-    l_strides = [st for x in l_args for st in (x.stride(0), x.stride(1), x.stride(2))]
-    _merge_states_kernel[g.grid](
-        *o_args, *l_args, g.out4, g.lse4, g.nheads, g.n_rows, *o_strides, *l_strides, *g.dst_args(),
-        **g.constants(n, base2),
-    )
+    o_args = [*outs, *[outs[0]] * (MAX_STATES_PER_LAUNCH - n)]
+    l_args = [*lses, *[lses[0]] * (MAX_STATES_PER_LAUNCH - n)]
+    o_strides = [st for x in o_args for st in _state_strides(x, 3)]
+    l_strides = [st for x in l_args for st in _state_strides(x, 2)]
+    launch(_merge_states_kernel, g.grid, *o_args, *l_args, g.out4, g.lse4, g.nheads, g.n_rows, *o_strides,
+           *l_strides, *g.dst_args(), **g.constants(n, base2))
 
 
 def _launch_stacked(
@@ -400,13 +411,9 @@ def _launch_stacked(
     g = _Grid(out, lse, stacked_config, n, block_rows, num_warps, (out0, lse0))
     if g.empty:
         return
-    o0, l0 = _flat_out(out0), _flat_lse(lse0)
-    _merge_stacked_kernel[g.grid](
-        o0, l0, g.out4, g.lse4, g.nheads, g.n_rows,
-        o_sn, o0.stride(0), o0.stride(1), o0.stride(2),
-        l_sn, l0.stride(0), l0.stride(1), l0.stride(2),
-        *g.dst_args(), **g.constants(n, base2), PRELOAD=g.preload(n),
-    )
+    launch(_merge_stacked_kernel, g.grid, out0, lse0, g.out4, g.lse4, g.nheads, g.n_rows,
+           o_sn, *_state_strides(out0, 3), l_sn, *_state_strides(lse0, 2),
+           *g.dst_args(), **g.constants(n, base2), PRELOAD=g.preload(n))
 
 
 def _launch_tuple(
@@ -422,12 +429,10 @@ def _launch_tuple(
     g = _Grid(out, lse, stacked_config, n, block_rows, num_warps, (*outs, *lses))
     if g.empty:
         return
-    o4 = tuple(_flat_out(x) for x in outs)
-    l4 = tuple(_flat_lse(x) for x in lses)
+    o_st = [_state_strides(x, 3) for x in outs]
+    l_st = [_state_strides(x, 2) for x in lses]
     _merge_tuple_kernel[g.grid](
-        o4, l4, g.out4, g.lse4, g.nheads, g.n_rows,
-        *(tuple(x.stride(k) for x in o4) for k in range(3)),
-        *(tuple(x.stride(k) for x in l4) for k in range(3)),
+        tuple(outs), tuple(lses), g.out4, g.lse4, g.nheads, g.n_rows, *zip(*o_st), *zip(*l_st),
         *g.dst_args(), **g.constants(n, base2), PRELOAD=g.preload(n),
     )
 
@@ -455,16 +460,17 @@ def check_kernel_inputs(
     for t in (*outs, out):
         if t.numel() and t.stride(-1) != 1:
             return "the head dim of every out must be contiguous (stride 1)"
-    for t in (*outs, out):
-        try:
-            _flat_out(t)
-        except RuntimeError:
-            return "the leading dims of an out cannot be viewed as one batch dim"
-    for t in (*lses, lse):
-        try:
-            _flat_lse(t)
-        except RuntimeError:
-            return "the leading dims of an lse cannot be viewed as one batch dim"
+    if len(shape) > 4:  # (one leading dim or none: nothing to collapse)
+        for t in (*outs, out):
+            try:
+                _flat_out(t)
+            except RuntimeError:
+                return "the leading dims of an out cannot be viewed as one batch dim"
+        for t in (*lses, lse):
+            try:
+                _flat_lse(t)
+            except RuntimeError:
+                return "the leading dims of an lse cannot be viewed as one batch dim"
     return None
 
 
@@ -511,7 +517,8 @@ def merge_states(
     outs, lses = list(outs), list(lses)
     k = MAX_STATES_PER_LAUNCH
     if stacked is not False and (stacked or len(outs) > k):
-        o_sn, l_sn = state_stride([_flat_out(x) for x in outs]), state_stride([_flat_lse(x) for x in lses])
+        o_sn = state_stride(outs)
+        l_sn = state_stride(lses) if o_sn is not None else None
         if o_sn is not None and l_sn is not None:
             _launch_stacked(len(outs), outs[0], lses[0], o_sn, l_sn, out, lse, block_rows, num_warps, base2)
             return out, lse
@@ -547,6 +554,7 @@ def merge_stacked(
     base2: bool = False,
     block_rows: int | None = None,
     num_warps: int | None = None,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`merge_states` of N states given by the first one and the distance to the next (a stacked tensor's,
     `out_step = stacked.stride(dim)`), checked once rather than per state (the host time of a call of a
@@ -555,18 +563,19 @@ def merge_stacked(
     Args:
         out0: state 0's out `[..., S, H, D]`; lse0: its lse `[..., H, S]` (any strides).
         n: how many states; out_step, lse_step: elements from one state's out/lse to the next's.
-        out, lse, base2, block_rows, num_warps: as in `merge_states`.
+        out, lse, base2, block_rows, num_warps, check: as in `merge_states`.
     """
-    reason = check_kernel_inputs([out0], [lse0], out, lse)
+    reason = check_kernel_inputs([out0], [lse0], out, lse) if check else None
     if reason is not None:
         raise ValueError(f"merge_stacked: {reason}")
-    o0, l0 = _flat_out(out0), _flat_lse(lse0)
     if n <= MAX_STATES_PER_LAUNCH:
-        outs = [o0.as_strided(o0.shape, o0.stride(), o0.storage_offset() + i * out_step) for i in range(n)]
-        lses = [l0.as_strided(l0.shape, l0.stride(), l0.storage_offset() + i * lse_step) for i in range(n)]
+        o_shape, o_st, o_at = out0.shape, out0.stride(), out0.storage_offset()
+        l_shape, l_st, l_at = lse0.shape, lse0.stride(), lse0.storage_offset()
+        outs = [out0.as_strided(o_shape, o_st, o_at + i * out_step) for i in range(n)]
+        lses = [lse0.as_strided(l_shape, l_st, l_at + i * lse_step) for i in range(n)]
         _launch(outs, lses, out, lse, block_rows, num_warps, base2)
     else:
-        _launch_stacked(n, o0, l0, out_step, lse_step, out, lse, block_rows, num_warps, base2)
+        _launch_stacked(n, out0, lse0, out_step, lse_step, out, lse, block_rows, num_warps, base2)
     return out, lse
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ringlse.kernels.host import cdiv, next_power_of_2
+from ringlse.kernels.launch import launch
 from ringlse.kernels.merge_math import merge_finish, merge_fold
 from ringlse.kernels.parts import MAX_PARTS, part_slots
 
@@ -114,6 +115,6 @@ def merge_parts_into(
     # ~4K elements per program (as the pairwise merge): enough bytes in flight, no spilling
     block_r = max(1, 4096 // block_d)
     grid = (cdiv(n_rows * h, block_r), bsz)
-    _merge_parts_kernel[grid](out, lse, *outs, *lses, *starts, *lens, n_rows, N=len(parts), H=h, D=d,
-                              BLOCK_R=block_r, BLOCK_D=block_d, num_warps=8)
+    launch(_merge_parts_kernel, grid, out, lse, *outs, *lses, *starts, *lens, n_rows, N=len(parts), H=h, D=d,
+           BLOCK_R=block_r, BLOCK_D=block_d, num_warps=8)
     return out, lse

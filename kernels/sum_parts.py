@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ringlse.kernels.host import cdiv
+from ringlse.kernels.launch import launch
 from ringlse.kernels.parts import MAX_PARTS, part_slots
 
 _BLOCK = 2048
@@ -87,6 +88,6 @@ def sum_parts_into(out: torch.Tensor, parts: Sequence[tuple[int, torch.Tensor, f
     if out.numel() == 0:
         return out
     grid = (cdiv(n_rows * e, _BLOCK), bsz)
-    _sum_parts_kernel[grid](out, *ptrs, *starts, *lens, *map(float, scales), n_rows, N=len(parts), E=e,
-                            BLOCK=_BLOCK, num_warps=8)
+    launch(_sum_parts_kernel, grid, out, *ptrs, *starts, *lens, *map(float, scales), n_rows, N=len(parts), E=e,
+           BLOCK=_BLOCK, num_warps=8)
     return out

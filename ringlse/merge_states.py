@@ -306,7 +306,8 @@ def merge_attn_states(
         if d is not None:
             lse0_hf = _heads_first(lse0, lse_layout)
             if kernel.check_kernel_inputs([out0], [lse0_hf], dst, dst_lse_hf) is None:
-                kernel.merge_stacked(out0, lse0_hf, outs.shape[d], outs.stride(d), lses.stride(d), dst, dst_lse_hf, base2=base2)
+                kernel.merge_stacked(out0, lse0_hf, outs.shape[d], outs.stride(d), lses.stride(d), dst, dst_lse_hf,
+                                     base2=base2, check=False)
                 return dst, dst_lse
         else:
             lses_hf = [_heads_first(x, lse_layout) for x in lses]
