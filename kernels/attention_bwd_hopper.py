@@ -28,6 +28,8 @@ decrease somewhere, which no mask of ringlse makes, keep the sum but not its ord
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -494,6 +496,13 @@ def hopper_dkdv_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout:
     return v.shape[-1] == q.shape[-1] and tma_rows_apply(q, k, v, dout)
 
 
+@functools.cache
+def _unused_rows(device: torch.device, bm: int) -> torch.Tensor:
+    """The never-read float32 `[4, bm]` behind the row descriptors of a call without row TMA, one per device
+    and box: a fresh one per call would cost the launch a new tensor map each time."""
+    return torch.empty(4, bm, dtype=torch.float32, device=device)
+
+
 def hopper_fuses_dq(dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> bool:
     """Whether `hopper_dkdv` adds dq too: where TMA indexes the three float32 accumulators (dense blocks,
     causal or not, and interval masks)."""
@@ -548,7 +557,7 @@ def hopper_dkdv(
         if row_tma:
             descs.append(TmaDesc(t, (b * h, sq), (sq, 1), (1, bm), row_layout))
         else:  # unused: any descriptor of the kernel's box
-            descs.append(TmaDesc(lse.new_empty(4, bm), (4, bm), (bm, 1), (1, bm), row_layout))
+            descs.append(TmaDesc(_unused_rows(lse.device, bm), (4, bm), (bm, 1), (1, bm), row_layout))
     accs = [dk_acc, dv_acc]
     sems = [None, None]
     n_kt = cdiv(sk, BLOCK_N)

@@ -54,8 +54,9 @@ def _load_lse(L, b, hh, s, sb, sh, ss, row_ok):
 
 @triton.jit
 def _load_out(O, b, hh, s, sb, ss, sh, cols, mask):
+    """A tile of one state's out, in its own dtype."""
     row_off = b * sb + s * ss + hh * sh
-    return tl.load(O + row_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.load(O + row_off[:, None] + cols[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -125,16 +126,16 @@ def _merge_states_kernel(
 
     # issue every load before any math so that all of them are in flight together
     l0 = _load_lse(L0, b, hh, s, l0_sb, l0_sh, l0_ss, row_ok)
-    o0 = _load_out(O0, b, hh, s, o0_sb, o0_ss, o0_sh, cols, mask)
+    o0 = _load_out(O0, b, hh, s, o0_sb, o0_ss, o0_sh, cols, mask).to(tl.float32)
     if N > 1:
         l1 = _load_lse(L1, b, hh, s, l1_sb, l1_sh, l1_ss, row_ok)
-        o1 = _load_out(O1, b, hh, s, o1_sb, o1_ss, o1_sh, cols, mask)
+        o1 = _load_out(O1, b, hh, s, o1_sb, o1_ss, o1_sh, cols, mask).to(tl.float32)
     if N > 2:
         l2 = _load_lse(L2, b, hh, s, l2_sb, l2_sh, l2_ss, row_ok)
-        o2 = _load_out(O2, b, hh, s, o2_sb, o2_ss, o2_sh, cols, mask)
+        o2 = _load_out(O2, b, hh, s, o2_sb, o2_ss, o2_sh, cols, mask).to(tl.float32)
     if N > 3:
         l3 = _load_lse(L3, b, hh, s, l3_sb, l3_sh, l3_ss, row_ok)
-        o3 = _load_out(O3, b, hh, s, o3_sb, o3_ss, o3_sh, cols, mask)
+        o3 = _load_out(O3, b, hh, s, o3_sb, o3_ss, o3_sh, cols, mask).to(tl.float32)
 
     m = l0
     if N > 1:
@@ -244,8 +245,7 @@ def _merge_tuple_kernel(
         outs = ()
         for i in tl.static_range(N):
             lses = lses + (_load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok),)
-            outs = outs + (tl.load(OS[i] + (b * O_SB[i] + s * O_SS[i] + hh * O_SH[i])[:, None] + cols[None, :],
-                                   mask=mask, other=0.0),)
+            outs = outs + (_load_out(OS[i], b, hh, s, O_SB[i], O_SS[i], O_SH[i], cols, mask),)
         lse, acc = _merge_loaded(lses, outs, N, BASE2)
     else:
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -256,7 +256,7 @@ def _merge_tuple_kernel(
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         for i in tl.static_range(N):
             w = merge_weight(_load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok), shift, BASE2)
-            o = _load_out(OS[i], b, hh, s, O_SB[i], O_SS[i], O_SH[i], cols, mask)
+            o = _load_out(OS[i], b, hh, s, O_SB[i], O_SS[i], O_SH[i], cols, mask).to(tl.float32)
             t += w
             acc = acc + merge_term(w, o)
         lse, acc = merge_finish(shift, t, acc, BASE2)
