@@ -41,9 +41,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ringlse.kernels.attention_common import key_tile_query_range, softcap_mode, softcap_scores
+from ringlse.kernels.attention_common import key_tile_query_range, softcap_mode, tanh_f32
 from ringlse.kernels.attention_fwd_hopper import interval_walk, smem_layout, tma_rows_apply
-from ringlse.kernels.hopper_ops import pass_turn, tma_add, tma_add_from_smem, wait_turn
+from ringlse.kernels.hopper_ops import pass_turn, scale_smem, tma_add, tma_add_from_smem, wait_turn
 from ringlse.kernels.host import cdiv, rows_view, tma_indexable
 from ringlse.kernels.launch import TmaDesc, launch
 
@@ -258,6 +258,10 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
     dv = gl.zeros([ROWS, HEAD_D], gl.float32, kv_layout)
 
     mbarrier.wait(kv_ready, 0)
+    if SOFTCAP:
+        # K scaled by scale / softcap (`scale_smem`): S^T comes out as tanh's argument; the dQ of the fused
+        # path, which reads the scaled K, is scaled back by `hopper_dkdv`
+        scale_smem(k_rows, qk_scale / (softcap * 1.4426950408889634))
     it = 0
     for gg in range(n_g):
         off_h = off_hk * GROUP + g_lo + gg
@@ -294,8 +298,8 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
             # P^T while dP^T is still on the tensor cores
             st, _, _ = warpgroup_mma_wait(1, deps=[st, k_rows, q_buf])
             if SOFTCAP:
-                tt, cap_scale = softcap_scores(st, qk_scale, softcap, SOFTCAP)
-                pt = gl.exp2(tt * cap_scale - lse2[None, :])
+                tt = tanh_f32(st, 2)
+                pt = gl.exp2(tt * (softcap * 1.4426950408889634) - lse2[None, :])
             else:
                 pt = gl.exp2(st * qk_scale - lse2[None, :])
             if CAUSAL:
@@ -573,6 +577,10 @@ def hopper_dkdv(
             sems = [sem[:n_dq], sem[n_dq:]]
     if not fused:
         accs.append(None)
+    cap_mode = softcap_mode(softcap, q.dtype, "hopper_dkdv")
+    if cap_mode and qk_scale > 0:
+        # the kernel's K is scaled by scale / softcap (see `_dkdv_consume`), and so is the dQ it adds
+        dq_scale = dq_scale * softcap / (qk_scale / 1.4426950408889634)
     grid = (n_kt, b * (h if fused else hkv))
     launch(
         _attn_bwd_dkdv_hopper_kernel, grid, *descs, lse, delta, *accs, *sems,
@@ -581,6 +589,6 @@ def hopper_dkdv(
         hkv, h // hkv, sq, sk, offset, qk_scale, dk_scale, dq_scale, query_lo, query_hi, float(softcap),
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=BLOCK_N, STAGES=STAGES, CAUSAL=causal, INTERVALS=query_lo is not None,
         REDUCE=reduce, CONSUMER_REGS=240, ROW_TMA=row_tma, FUSED=fused,
-        SOFTCAP=softcap_mode(softcap, q.dtype, "hopper_dkdv"),
+        SOFTCAP=cap_mode,
         num_warps=4, maxnreg=168,
     )

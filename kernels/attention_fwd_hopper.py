@@ -42,10 +42,11 @@ from ringlse.kernels.attention_common import (
     interval_tile_range,
     query_tile_key_range,
     softcap_mode,
-    softcap_scores,
     softmax_step,
+    tanh_f32,
     tile_visible,
 )
+from ringlse.kernels.hopper_ops import scale_smem
 from ringlse.kernels.host import cdiv, device_capability, rows_view, sm_count, tma_indexable
 from ringlse.kernels.launch import TmaDesc, launch
 from ringlse.kernels.merge_math import merge_finish, merge_fold
@@ -231,19 +232,44 @@ def _fwd_load(descs, smem, bars, info, walk,
 
 
 @gluon.jit
+def cap_shift(softcap):
+    """The fixed shift of SOFTCAP 3, in base 2: capped scores lie in `[-C, C]` (C = softcap * log2 e), so
+    `2**(score - shift)` with `shift = min(C, 125 - C)` is a normal float32 (and bf16) for every score, at
+    most 1 while C <= 62.5 and `2**(2C - 125)` above (`hopper_forward` takes it for C <= 78)."""
+    c = softcap * 1.4426950408889634
+    return gl.minimum(c, 125.0 - c)
+
+
+@gluon.jit
 def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, OFFSET, qk_scale, softcap, row_lo,
                   row_hi, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, LAZY: gl.constexpr, SOFTCAP: gl.constexpr):
     """One key tile's online-softmax step in base 2: `(p, m_new, l_new, alpha)`; the tile is masked unless
-    it lies inside `[full_lo, full_hi)`. SOFTCAP caps the scores first (`softcap_scores`)."""
+    it lies inside `[full_lo, full_hi)`. SOFTCAP caps the scores first: Q arrives scaled by scale /
+    softcap (`scale_smem`), so the dots are tanh's arguments already; SOFTCAP 3 (`cap_shift`) subtracts the
+    fixed `m_i` instead of a running max (no max, no rescaling: `alpha` is 1)."""
+    masked = (start_n < full_lo) | (start_n + qk.shape[1] > full_hi)
     if SOFTCAP:
-        qk, qk_scale = softcap_scores(qk, qk_scale, softcap, SOFTCAP)
-    if (start_n < full_lo) | (start_n + qk.shape[1] > full_hi):
-        offs_n = start_n + offs_n0
-        visible = tile_visible(offs_m, offs_n, offs_n < SK, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS)
-        p, m_new, alpha = softmax_step(qk, m_i, qk_scale, visible, True, LAZY)
+        qk = tanh_f32(qk, 2)
+        qk_scale = softcap * 1.4426950408889634
+    if SOFTCAP == 3:
+        arg = qk * qk_scale - m_i[:, None]
+        if masked:
+            offs_n = start_n + offs_n0
+            visible = tile_visible(offs_m, offs_n, offs_n < SK, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS)
+            arg = gl.where(visible, arg, float("-inf"))
+        p = gl.exp2(arg)
+        m_new = m_i
+        alpha = m_i * 0.0 + 1.0
+        l_new = l_i + gl.sum(p, 1)
     else:
-        p, m_new, alpha = softmax_step(qk, m_i, qk_scale, None, False, LAZY)
-    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+        if masked:
+            offs_n = start_n + offs_n0
+            visible = tile_visible(offs_m, offs_n, offs_n < SK, row_lo, row_hi, OFFSET, CAUSAL, INTERVALS)
+            p, m_new, alpha = softmax_step(qk, m_i, qk_scale, visible, True, LAZY)
+        else:
+            p, m_new, alpha = softmax_step(qk, m_i, qk_scale, None, False, LAZY)
+        l_new = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_new, alpha
 
 
 @gluon.jit
@@ -315,10 +341,16 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     else:
         row_lo = offs_m
         row_hi = offs_m
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+    if SOFTCAP == 3:
+        m_i = gl.full([ROWS], 0.0, gl.float32, row_layout) + cap_shift(softcap)
+    else:
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc = gl.zeros([ROWS, HEAD_DV], gl.float32, o_layout)
     mbarrier.wait(q_ready.index(qs), (count // Q_SLOTS) & 1)
+    if SOFTCAP:
+        for j in gl.static_range(QK_CHUNKS):
+            scale_smem(q_smem.index(qb + j), qk_scale / (softcap * 1.4426950408889634))
     if STATE_TMA:
         # the running state on its way while the key tiles run: O by TMA into this warpgroup's float32
         # buffer (bulk copies: as plain loads in O's register layout, each warp's request touched eight
@@ -359,7 +391,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
             p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, n_lo + i * BLOCK_N, full_lo, full_hi,
                                                SK, OFFSET, qk_scale, softcap, row_lo, row_hi, CAUSAL, INTERVALS, LAZY,
                                                SOFTCAP)
-            if LAZY:
+            if LAZY and SOFTCAP != 3:
                 # alpha is 1 in every row whose max stayed: most tiles skip the rescaling, a branch the
                 # warpgroup must take as one. Each warp reduces its own 16 rows (shuffles only) and its
                 # verdict goes through shared memory, read after the V slot's release (the compiler adds
@@ -369,11 +401,12 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
             # (not `_`, which carries K's slot through the loop: V's differs where it has its own head dim)
             acc, _v = warpgroup_mma_wait(0, deps=[acc, v_buf])
             mbarrier.arrive(v_empty.index(sp), count=1)
-            if LAZY:
-                if gl.max(flags.load(flag_layout), 0) > 0:
+            if SOFTCAP != 3:  # (a fixed shift never rescales)
+                if LAZY:
+                    if gl.max(flags.load(flag_layout), 0) > 0:
+                        acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
+                else:
                     acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
-            else:
-                acc = acc * gl.convert_layout(alpha, orow_layout)[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         if not TMA_STORE:
             # every S of this work tile is done: the loader may bring a later tile's Q
@@ -491,8 +524,9 @@ def _attn_fwd_hopper_kernel(
     """Persistent: `min(#SMs, work tiles)` programs walk the `cdiv(SQ, BLOCK_M) * B * H` work tiles
     round-robin, or (DYNAMIC) take them from `Counter` (int32, 0 at launch); else one program per work tile.
     Descriptors over `[B * S, heads * head dim]` views (Q's box 64 rows; V and O may have their own head
-    dim, from their descriptors). SOFTCAP (`softcap_mode`) caps the scores at `softcap`; SINK folds `Sinks` (float32
-    `[H]`) into every row's state once (not with ACCUM). `BLOCK_M / 64` consumer
+    dim, from their descriptors). SOFTCAP (`softcap_mode`, or 3: the same with a fixed shift, `cap_shift`)
+    caps the scores at `softcap`; SINK folds `Sinks` (float32 `[H]`) into every row's state once (not with
+    ACCUM). `BLOCK_M / 64` consumer
     warpgroups (the default partition and one or two workers, 4 warps each, which never wait for each
     other) and a loader warp; `num_warps` must be 4."""
     num_m = gl.cdiv(SQ, BLOCK_M)
@@ -582,6 +616,9 @@ HEAD_DIMS = (64, 128)
 # shared memory with one Q slot and no float32 state buffer (48 + 96 KB of Q and K stages, 64 KB of V)
 FWD_HEAD_DIMS = {(64, 64), (128, 128), (128, 64), (192, 128)}
 BLOCK_N = 128  # 64-key tiles (3 stages) ran at 0.84-0.90x the speed of 128 (H200)
+# the largest softcap * log2 e that takes the fixed shift: P <= 2**31, so that P V stays far from float32's
+# range (Gemma 2's softcap 50 is 72.1)
+CAP_SHIFT_MAX = 78.0
 STAGES = 2  # 3 stages measured the same as 2 (within 1%) with more shared memory
 
 
@@ -692,6 +729,12 @@ def hopper_forward(
         shape, strides = rows_view(t)
         elem = gl.float32 if t.dtype == torch.float32 else gl_dtype
         descs.append(TmaDesc(t, shape, strides, (rows, cols), smem_layout(rows, cols, elem)))
+    cap_mode = softcap_mode(softcap, q.dtype, "hopper_forward")
+    if cap_mode and q.dtype == torch.bfloat16 and softcap * 1.4426950408889634 <= CAP_SHIFT_MAX:
+        # bounded scores need no running max (`cap_shift`): its max, rescaling and their branch cost the
+        # capped forward ~0.15x the uncapped time more on an H100 (bf16 only: P in fp16 would flush weights
+        # far below the shift)
+        cap_mode = 3
     consumers = block_m // 64
     # 2 consumers: 12 warps (the loader's warpgroup padded) x 168 registers = 240 per consumer thread, 24 for
     # the loader; 3 consumers: 16 warps x 128, 160 per worker consumer
@@ -708,7 +751,7 @@ def hopper_forward(
         heads_log2(b * h, sk * (d + dv) * k.element_size()), float(softcap), lse if sinks is None else sinks,
         HEAD_D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=STAGES, CAUSAL=causal, INTERVALS=intervals, ACCUM=accum,
         PERSISTENT=persistent, DYNAMIC=dynamic, TMA_STORE=tma_store, STATE_TMA=state_tma, CONSUMER_REGS=regs,
-        SOFTCAP=softcap_mode(softcap, q.dtype, "hopper_forward"), SINK=sinks is not None, num_warps=4,
+        SOFTCAP=cap_mode, SINK=sinks is not None, num_warps=4,
         maxnreg=maxnreg,
     )
 

@@ -1,5 +1,5 @@
-"""Gluon operations the Hopper kernels need that Triton 3.6 does not wrap for sm_90: TMA reduce-adds (from
-registers or from shared memory) and the turns that put the adds of different programs to the same tile
+"""Gluon operations the Hopper kernels share: a tile in shared memory scaled in place, and what Triton 3.6
+does not wrap for sm_90: TMA reduce-adds (from registers or from shared memory) and the turns that put the adds of different programs to the same tile
 in a fixed order (an int32 in global memory that each program waits to reach, then raises), which keeps
 float32 sums bitwise reproducible.
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 
 @gl._core.builtin
@@ -53,3 +54,14 @@ def pass_turn(sem_ptr, turn):
         "{ .reg .pred p; .reg .b32 l; cp.async.bulk.wait_group 0; bar.warp.sync -1; mov.u32 l, %laneid; "
         "setp.eq.u32 p, l, 0; @p red.release.gpu.global.max.s32 [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r", [sem_ptr, turn], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def scale_smem(buf, factor):
+    """Multiply a `[rows, cols]` shared-memory tile by `factor` in place (rounded back to its dtype) and
+    make the result visible to the tensor cores' reads. With a softcap, Q (forward) or K (dk/dv) scaled once
+    by scale / softcap makes each dot tanh's argument as it leaves the tensor cores: one multiply per Q or
+    K element of a work tile instead of one per score."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (a consumer warpgroup)
+    buf.store((buf.load(layout).to(gl.float32) * factor).to(buf.dtype))
+    fence_async_shared()

@@ -456,6 +456,20 @@ def test_auto_candidates_follow_the_measured_order(capability, dtype, masked, ex
     assert ringlse.blocks.auto_candidates(capability, dtype, masked) == expected
 
 
+@pytest.mark.parametrize(
+    ("capability", "dtype", "masked", "expected"),
+    [
+        pytest.param((9, 0), torch.bfloat16, False, ("triton", "fa4", "torch"), id="sm90-bf16-measured"),
+        pytest.param((9, 0), torch.float16, False, ("fa4", "sdpa", "triton", "torch"), id="sm90-fp16-unmeasured"),
+        pytest.param((8, 0), torch.bfloat16, False, ("triton", "sdpa", "torch"), id="sm80-unmeasured"),
+        pytest.param((9, 0), torch.bfloat16, True, ("triton", "torch"), id="sm90-masked-intervals"),
+    ],
+)
+def test_auto_candidates_with_a_softcap(capability, dtype, masked, expected):
+    """With a softcap (and one head dim) `auto` follows the capped kernels' measured order."""
+    assert ringlse.blocks.auto_candidates(capability, dtype, masked, softcap=True) == expected
+
+
 @pytest.mark.parametrize("head_dim", [36, 40, 80, 264], ids=lambda d: f"d{d}")
 def test_fa4_head_dims_are_refused_by_name(head_dim):
     reason = ringlse.blocks.backend_unavailable_reason("fa4", "cuda", torch.bfloat16, head_dim=head_dim)

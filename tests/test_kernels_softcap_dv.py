@@ -210,6 +210,9 @@ GPU_CASES = [
     ((192, 128), 0.0, "causal"),
     ((192, 128), 30.0, "intervals"),
     ((128, 64), 30.0, "causal"),
+    # a cap whose fixed shift lies below it (scores up to 2**19 over the shift) and a small one
+    ((128, 128), 50.0, "causal"),
+    ((128, 128), 1.0, "intervals"),
 ]
 
 
@@ -218,6 +221,36 @@ GPU_CASES = [
 def test_gpu_bf16_block(dims, softcap, mask_kind):
     check_block(torch.bfloat16, "cuda", d=dims[0], dv=dims[1], softcap=softcap, mask_kind=mask_kind, sq=1000,
                 sk=1031, h=4, hkv=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_kind", ["causal", "intervals"])
+def test_gpu_fp16_block(mask_kind):
+    """fp16 keeps the running max with a softcap (its P would flush weights far below a fixed shift)."""
+    check_block(torch.float16, "cuda", d=128, dv=128, softcap=30.0, mask_kind=mask_kind, sq=1000, sk=1031, h=4,
+                hkv=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [30.0, 50.0], ids=["cap30", "cap50"])
+def test_gpu_bf16_scores_at_the_floor(softcap):
+    """Every score of most rows pressed against -softcap (queries positive, keys negative, a large scale),
+    the rest spread: the capped forward's fixed shift must keep these weights, its smallest, exact."""
+    q, k, v, dout = _draw(1, 300, 517, 4, 2, 128, 128, torch.bfloat16, "cuda", seed=5)
+    q = q.abs()
+    k = -k.abs()
+    k[:, ::7] = -k[:, ::7]
+    scale = 0.5
+    ours = run_block(q, k, v, dout, scale=scale, softcap=softcap)
+    ref = oracle(q, k, v, dout, scale=scale, softcap=softcap, mask=None)
+    base = oracle(q, k, v, dout, scale=scale, softcap=softcap, mask=None, dtype=torch.bfloat16)
+    _judge(ours, ref, base, torch.bfloat16)
+    q[:, 100:] = q[:, 100:] * 0 + 1
+    k = -k.abs()
+    ours = run_block(q, k, v, dout, scale=scale, softcap=softcap)
+    ref = oracle(q, k, v, dout, scale=scale, softcap=softcap, mask=None)
+    base = oracle(q, k, v, dout, scale=scale, softcap=softcap, mask=None, dtype=torch.bfloat16)
+    _judge(ours, ref, base, torch.bfloat16)
 
 
 @pytest.mark.gpu

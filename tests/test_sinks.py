@@ -217,10 +217,12 @@ def test_compiled_sinks_equal_eager():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,causal,q_start", [(128, True, 0), (128, False, 0), (64, True, 0), (64, False, 0),
-                                              (128, True, -100)], ids=["d128-causal", "d128-full", "d64-causal",
-                                                                         "d64-full", "d128-empty-rows"])
-def test_gpu_kernel_fold_equals_the_fold_after(d, causal, q_start):
+@pytest.mark.parametrize("d,causal,q_start,softcap", [(128, True, 0, 0.0), (128, False, 0, 0.0), (64, True, 0, 0.0),
+                                                      (64, False, 0, 0.0), (128, True, -100, 0.0),
+                                                      (128, True, -100, 30.0), (128, False, 0, 50.0)],
+                         ids=["d128-causal", "d128-full", "d64-causal", "d64-full", "d128-empty-rows",
+                              "d128-empty-rows-softcap30", "d128-full-softcap50"])
+def test_gpu_kernel_fold_equals_the_fold_after(d, causal, q_start, softcap):
     """On the GPU the triton kernels fold the sinks in their epilogue (the Hopper kernels on sm_90): the
     same state as the plain call with the sinks folded in afterwards (`ringlse.sinks.fold_sinks`, tested
     against the oracle above), to bf16 rounding of out and float32 rounding of lse; rows that see no key
@@ -232,7 +234,7 @@ def test_gpu_kernel_fold_equals_the_fold_after(d, causal, q_start):
     sinks = torch.randn(8, device="cuda", generator=g) * 3
     from ringlse.kernels.attention_fwd import attention_forward
 
-    kw = dict(softmax_scale=d ** -0.5, causal=causal, q_start=q_start, k_start=0)
+    kw = dict(softmax_scale=d ** -0.5, causal=causal, q_start=q_start, k_start=0, softcap=softcap)
     out, lse = attention_forward(q, k, v, sinks=sinks, **kw)
     plain, plain_lse = attention_forward(q, k, v, **kw)
     ref, ref_lse = fold_sinks(plain.float(), plain_lse, sinks)

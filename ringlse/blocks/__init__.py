@@ -44,6 +44,9 @@ _BACKENDS: dict[str, tuple[str, str, tuple[torch.dtype, ...], bool]] = {
 # 563-616 / 526-548, ours 480-492 / 362-392, hd 128; the cuDNN ring 0.75x PyTorch CP's time where the
 # triton ring took 1.03x; `benchmarks/RESULTS.md`)
 _AUTO_MEASURED = {(9, 0): ("fa4", "sdpa", "triton", "torch")}
+# with a softcap in bf16 and one head dim, sm90: the triton kernels' capped forward took 0.50-0.53x FA4's
+# capped time and forward+backward 0.57-0.84x (H100, S 8K/32K, `softcap_dv-*.json`)
+_AUTO_MEASURED_SOFTCAP = {(9, 0): ("triton", "fa4", "torch")}
 _AUTO_CUDA = ("triton", "sdpa", "torch")
 # backends whose ops take windows as a rule (`Masks.WINDOW`) besides those taking intervals
 _TAKES_WINDOW = ("fa4",)
@@ -85,17 +88,20 @@ def _has_module(name: str) -> bool:
         return False
 
 
-def auto_candidates(capability: tuple[int, int] | None, dtype: torch.dtype | None, masked: bool = False
-                    ) -> tuple[str, ...]:
+def auto_candidates(capability: tuple[int, int] | None, dtype: torch.dtype | None, masked: bool = False,
+                    softcap: bool = False) -> tuple[str, ...]:
     """The backends `auto` tries, in order, on a CUDA GPU of `capability` (None: not CUDA) for
     inputs of `dtype`: the measured order on GPUs we measured (fp16/bf16 on sm90: `fa4`, `sdpa`,
-    `triton`), else `triton`, `sdpa`; `torch` last. Windows and documents (`masked`) need intervals,
-    which only `triton` and `torch` take (the first that can run the call wins)."""
+    `triton`; bf16 with `softcap`, a logit softcap and one head dim for Q/K and V: `triton`, `fa4`), else
+    `triton`, `sdpa`; `torch` last. Windows and documents (`masked`) need intervals, which only `triton`
+    and `torch` take (the first that can run the call wins)."""
     if capability is None:
         return ("torch",)
     order = _AUTO_CUDA
     if dtype in _HALF:
         order = _AUTO_MEASURED.get(tuple(capability[:1]) + (0,), _AUTO_CUDA)
+    if softcap and dtype == torch.bfloat16:
+        order = _AUTO_MEASURED_SOFTCAP.get(tuple(capability[:1]) + (0,), order)
     return tuple(n for n in order if not masked or _BACKENDS[n][3])
 
 
@@ -170,7 +176,8 @@ def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torc
                  softcap: float = 0.0, v_head_dim: int | None = None) -> BlockOp:
     """The block op for `backend` on `device` and inputs of `dtype` and `head_dim`. `auto` is the
     first of `auto_candidates` that can run the call: on an sm90 GPU (H100, H200) with fp16/bf16,
-    `fa4` where FlashAttention-4 is installed, else `sdpa` (cuDNN), else `triton`; on other GPUs
+    `fa4` where FlashAttention-4 is installed, else `sdpa` (cuDNN), else `triton` (bf16 with a `softcap`
+    and one head dim: `triton`, then `fa4`); on other GPUs
     `triton`, then `sdpa`; with `masked` (windows, documents as intervals) `triton`; `torch` on the
     CPU and for float64. `flash` is `fa4`'s op where FlashAttention-4 imports and the GPU is sm90 or
     newer, else `fa2`'s. A `BlockOp` is returned as it is (your own kernels, or a registry op on a
@@ -194,7 +201,9 @@ def get_block_op(backend: str | BlockOp, device: torch.device | str, dtype: torc
     device = torch.device(device)
     if backend == "auto":
         cap = _capability(device) if device.type == "cuda" else None
-        candidates = auto_candidates(None if isinstance(cap, str) else cap, dtype, masked)
+        one_head_dim = v_head_dim is None or v_head_dim == head_dim
+        candidates = auto_candidates(None if isinstance(cap, str) else cap, dtype, masked,
+                                     softcap=bool(softcap) and one_head_dim)
         name = next((n for n in candidates
                      if backend_unavailable_reason(n, device, dtype, masked, head_dim, window, **features) is None),
                     "torch")
