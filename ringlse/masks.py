@@ -239,8 +239,13 @@ class Runs(NamedTuple):
         return torch.cat([s.positions(device) for s in self.spans])
 
     def local(self, bound: torch.Tensor) -> torch.Tensor:
-        """Global bounds -> local row indices (the first row at or after `bound`), as `Span.local`."""
-        return torch.searchsorted(self.positions(bound.device), bound)
+        """Global bounds -> local row indices (the first row at or after `bound`), as `Span.local`: the
+        rows of the spans that end at or before `bound`, plus `Span.local` in the first that does not
+        (a search among the spans' ends, not among every row's position)."""
+        ends, table = _runs_table(self)
+        start, stride, length, before = table.to(bound.device)[torch.searchsorted(ends.to(bound.device), bound,
+                                                                                  right=True)].unbind(1)
+        return before + torch.minimum((-((start - bound) // stride)).clamp(min=0), length)
 
     def cut(self, a: int, b: int) -> Runs:
         """Its rows `[a, b)`, the spans cut to them (empty ones left out)."""
@@ -251,6 +256,19 @@ class Runs(NamedTuple):
                 spans.append(s.cut(lo, hi))
             first += s.length
         return Runs(tuple(spans))
+
+
+@functools.lru_cache(maxsize=64)
+def _runs_table(runs: Runs) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(ends, table)` of `Runs.local`: one past each span's last position, and per span `(start, stride,
+    length, rows before it)`, with a last row for bounds past every span (all rows before it)."""
+    rows = [(s.start, s.stride, s.length) for s in runs.spans]
+    before = [0]
+    for _, _, n in rows:
+        before.append(before[-1] + n)
+    ends = torch.tensor([a + (n - 1) * d + 1 for a, d, n in rows], dtype=torch.int64)
+    table = torch.tensor([r + (b,) for r, b in zip(rows, before)] + [(1 << 62, 1, 0, before[-1])], dtype=torch.int64)
+    return ends, table
 
 
 class Intervals(NamedTuple):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ringlse
 from dist_harness import run_ranks
@@ -146,6 +148,21 @@ def test_intervals_of_runs_classify_full_empty_and_partial_blocks():
     assert q.cut(32, 96) == Runs((Span(32, 32), Span(320, 32)))
     bounds = torch.tensor([-5, 0, 63, 64, 319, 320, 383, 400])
     assert torch.equal(q.local(bounds), torch.tensor([0, 0, 63, 64, 64, 64, 127, 128]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(-20, 20), st.lists(st.tuples(st.integers(1, 3), st.integers(1, 9), st.integers(0, 6)), min_size=1,
+                                      max_size=6))
+def test_runs_local_is_the_first_row_at_or_after_each_bound(first, shape):
+    """`Runs.local` (a search among the spans) equals a search among every row's position, strided spans
+    and bounds before, between and after them included."""
+    spans, pos = [], first
+    for stride, length, gap in shape:
+        spans.append(Span(pos, length, stride))
+        pos += (length - 1) * stride + 1 + gap
+    runs = Runs(tuple(spans))
+    bounds = torch.arange(first - 5, pos + 5)
+    assert torch.equal(runs.local(bounds), torch.searchsorted(runs.positions(), bounds))
 
 
 # --- errors -----------------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import torch
+
 from ringlse.blocks.calls import BlockCall
 from ringlse.blocks.contract import Masks
 from ringlse.mask_calls import rule_calls
@@ -33,14 +35,24 @@ class Rows(NamedTuple):
         return Rows(self.local_start + a, self.span.cut(a, b))
 
 
-def _rows(layout: Layout, rank: int, world: int, n_local: int) -> list[Rows]:
+@functools.lru_cache(maxsize=64)
+def _rows(layout: Layout, rank: int, world: int, n_local: int) -> tuple[Rows, ...]:
     """`rank`'s rows as the units a masked step calls at once: each run of a fixed-stride layout apart
     (one or two), a balanced rank's runs all together, so that its step is one call however many runs
     it holds (the per-row intervals stay exact: its positions increase throughout)."""
     segs = segments(layout, rank, world, n_local)
     if isinstance(layout, Balanced):
-        return [Rows(0, Runs(tuple(_span(s) for s in segs)))]
-    return [Rows(s.local_start, _span(s)) for s in segs]
+        return (Rows(0, Runs(tuple(_span(s) for s in segs))),)
+    return tuple(Rows(s.local_start, _span(s)) for s in segs)
+
+
+@functools.lru_cache(maxsize=32)
+def _query_units(layout: Layout, rank: int, world: int, n_local: int, rule: Rule
+                 ) -> tuple[tuple[Rows, torch.Tensor, torch.Tensor], ...]:
+    """`rank`'s row units with the global keys `[lo, hi)` each of their queries sees: the same against
+    every peer, so computed once per packing and rank, not once per step and peer (the plans of a new
+    packing of 256K tokens on 8 ranks asked for them 2W + W(W-1) times per rank)."""
+    return tuple((qs, *rule.key_bounds(qs.span.positions())) for qs in _rows(layout, rank, world, n_local))
 
 
 def _visible_parts(layout: Layout, rank: int, src: int, world: int, n_local: int, rule: Rule
@@ -49,9 +61,9 @@ def _visible_parts(layout: Layout, rank: int, src: int, world: int, n_local: int
     pair: the query rows that see any of its keys and the key rows they see, first to last, as the
     two units cut to them. From the keys each query sees alone (the cheaper half of `block_intervals`)."""
     parts = []
-    for qs in _rows(layout, rank, world, n_local):
+    for qs, lo, hi in _query_units(layout, rank, world, n_local, rule):
         for ks in _rows(layout, src, world, n_local):
-            key_lo, key_hi = (ks.span.local(x) for x in rule.key_bounds(qs.span.positions()))
+            key_lo, key_hi = ks.span.local(lo), ks.span.local(hi)
             live = key_hi > key_lo
             rows = live.nonzero()
             if rows.numel():
