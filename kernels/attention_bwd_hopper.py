@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ringlse.kernels.attention_common import key_tile_query_range, softcap_mode, tanh_f32
+from ringlse.kernels.attention_common import LOG2E, cap_scales, key_tile_query_range, softcap_mode, tanh_f32
 from ringlse.kernels.attention_fwd_hopper import interval_walk, smem_layout, tma_rows_apply
 from ringlse.kernels.hopper_ops import pass_turn, scale_smem, tma_add, tma_add_from_smem, wait_turn
 from ringlse.kernels.host import cdiv, rows_view, tma_indexable
@@ -261,7 +261,8 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
     if SOFTCAP:
         # K scaled by scale / softcap (`scale_smem`): S^T comes out as tanh's argument; the dQ of the fused
         # path, which reads the scaled K, is scaled back by `hopper_dkdv`
-        scale_smem(k_rows, qk_scale / (softcap * 1.4426950408889634))
+        into_tanh, cap_scale = cap_scales(qk_scale, softcap)
+        scale_smem(k_rows, into_tanh)
     it = 0
     for gg in range(n_g):
         off_h = off_hk * GROUP + g_lo + gg
@@ -299,7 +300,7 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
             st, _, _ = warpgroup_mma_wait(1, deps=[st, k_rows, q_buf])
             if SOFTCAP:
                 tt = tanh_f32(st, 2)
-                pt = gl.exp2(tt * (softcap * 1.4426950408889634) - lse2[None, :])
+                pt = gl.exp2(tt * cap_scale - lse2[None, :])
             else:
                 pt = gl.exp2(st * qk_scale - lse2[None, :])
             if CAUSAL:
@@ -580,7 +581,7 @@ def hopper_dkdv(
     cap_mode = softcap_mode(softcap, q.dtype, "hopper_dkdv")
     if cap_mode and qk_scale > 0:
         # the kernel's K is scaled by scale / softcap (see `_dkdv_consume`), and so is the dQ it adds
-        dq_scale = dq_scale * softcap / (qk_scale / 1.4426950408889634)
+        dq_scale = dq_scale * softcap * LOG2E / qk_scale
     grid = (n_kt, b * (h if fused else hkv))
     launch(
         _attn_bwd_dkdv_hopper_kernel, grid, *descs, lse, delta, *accs, *sems,

@@ -104,13 +104,21 @@ def tanh_f32(x, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def cap_scales(qk_scale, softcap):
+    """`(into_tanh, cap_scale)`: raw dots times `into_tanh` (= scale / softcap) are tanh's arguments, and
+    tanh times `cap_scale` (= softcap * log2(e)) is the capped score in base 2 (`qk_scale` = scale * log2(e))."""
+    cap_scale = softcap * 1.4426950408889634  # (LOG2E: a jit function reads only constexpr globals)
+    return qk_scale / cap_scale, cap_scale
+
+
+@triton.jit
 def softcap_scores(s, qk_scale, softcap, SOFTCAP: tl.constexpr):
     """The capped scores of raw dots `s` as `(t, cap_scale)`: `t * cap_scale` is `softcap * tanh(scale * s /
     softcap)` in base 2 (`qk_scale` = scale * log2(e), `cap_scale` = softcap * log2(e)), the cap applied at
     natural scale (Gemma 2's and flash-attn's definition). Callers scale `t` by `cap_scale` where they scale uncapped dots by
     `qk_scale`, in the same FMA with the max or the lse (no multiply of its own)."""
-    cap_scale = softcap * 1.4426950408889634
-    return tanh_f32(s * (qk_scale / cap_scale), SOFTCAP), cap_scale
+    into_tanh, cap_scale = cap_scales(qk_scale, softcap)
+    return tanh_f32(s * into_tanh, SOFTCAP), cap_scale
 
 
 @triton.jit

@@ -39,6 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ringlse.kernels.attention_common import (
+    LOG2E,
+    cap_scales,
     interval_tile_range,
     query_tile_key_range,
     softcap_mode,
@@ -232,25 +234,24 @@ def _fwd_load(descs, smem, bars, info, walk,
 
 
 @gluon.jit
-def cap_shift(softcap):
-    """The fixed shift of SOFTCAP 3, in base 2: capped scores lie in `[-C, C]` (C = softcap * log2 e), so
-    `2**(score - shift)` with `shift = min(C, 125 - C)` is a normal float32 (and bf16) for every score, at
-    most 1 while C <= 62.5 and `2**(2C - 125)` above (`hopper_forward` takes it for C <= 78)."""
-    c = softcap * 1.4426950408889634
-    return gl.minimum(c, 125.0 - c)
+def cap_shift(cap_scale):
+    """The fixed shift of SOFTCAP 3, in base 2: capped scores lie in `[-C, C]` (C = `cap_scale` = softcap *
+    log2 e), so `2**(score - shift)` with `shift = min(C, 125 - C)` is a normal float32 (and bf16) for every
+    score, at most 1 while C <= 62.5 and `2**(2C - 125)` above (`hopper_forward` takes it for C <= 78)."""
+    return gl.minimum(cap_scale, 125.0 - cap_scale)
 
 
 @gluon.jit
-def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, OFFSET, qk_scale, softcap, row_lo,
+def _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, start_n, full_lo, full_hi, SK, OFFSET, qk_scale, row_lo,
                   row_hi, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr, LAZY: gl.constexpr, SOFTCAP: gl.constexpr):
-    """One key tile's online-softmax step in base 2: `(p, m_new, l_new, alpha)`; the tile is masked unless
-    it lies inside `[full_lo, full_hi)`. SOFTCAP caps the scores first: Q arrives scaled by scale /
-    softcap (`scale_smem`), so the dots are tanh's arguments already; SOFTCAP 3 (`cap_shift`) subtracts the
-    fixed `m_i` instead of a running max (no max, no rescaling: `alpha` is 1)."""
+    """One key tile's online-softmax step in base 2: `(p, m_new, l_new, alpha)`, `qk_scale` the base-2 scale
+    of what the exps see; the tile is masked unless it lies inside `[full_lo, full_hi)`. SOFTCAP caps the
+    scores first: Q arrives scaled by scale / softcap (`scale_smem`), so the dots are tanh's arguments
+    already, and `qk_scale` is the cap's (`cap_scales`); SOFTCAP 3 (`cap_shift`) subtracts the fixed `m_i`
+    instead of a running max (no max, no rescaling: `alpha` is 1)."""
     masked = (start_n < full_lo) | (start_n + qk.shape[1] > full_hi)
     if SOFTCAP:
         qk = tanh_f32(qk, 2)
-        qk_scale = softcap * 1.4426950408889634
     if SOFTCAP == 3:
         arg = qk * qk_scale - m_i[:, None]
         if masked:
@@ -341,8 +342,11 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     else:
         row_lo = offs_m
         row_hi = offs_m
+    if SOFTCAP:
+        # from here on `qk_scale` is the scale of the capped scores (tanh's outputs)
+        into_tanh, qk_scale = cap_scales(qk_scale, softcap)
     if SOFTCAP == 3:
-        m_i = gl.full([ROWS], 0.0, gl.float32, row_layout) + cap_shift(softcap)
+        m_i = gl.full([ROWS], 0.0, gl.float32, row_layout) + cap_shift(qk_scale)
     else:
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
@@ -350,7 +354,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
     mbarrier.wait(q_ready.index(qs), (count // Q_SLOTS) & 1)
     if SOFTCAP:
         for j in gl.static_range(QK_CHUNKS):
-            scale_smem(q_smem.index(qb + j), qk_scale / (softcap * 1.4426950408889634))
+            scale_smem(q_smem.index(qb + j), into_tanh)
     if STATE_TMA:
         # the running state on its way while the key tiles run: O by TMA into this warpgroup's float32
         # buffer (bulk copies: as plain loads in O's register layout, each warp's request touched eight
@@ -374,7 +378,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
         qk, _, _ = warpgroup_mma_wait(0, deps=[qk, q_rows, k_buf])
         mbarrier.arrive(k_empty.index(s), count=1)
         p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, n_lo, full_lo, full_hi, SK, OFFSET,
-                                           qk_scale, softcap, row_lo, row_hi, CAUSAL, INTERVALS, LAZY, SOFTCAP)
+                                           qk_scale, row_lo, row_hi, CAUSAL, INTERVALS, LAZY, SOFTCAP)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for i in range(1, n_tiles):
             s = (it + i) % STAGES
@@ -389,8 +393,7 @@ def _consume_tile(smem, bars, Out, o_desc, Lse, strides, tile, it, count, walk, 
             mbarrier.arrive(k_empty.index(s), count=1)
             m_old = m_i
             p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, offs_m, offs_n0, n_lo + i * BLOCK_N, full_lo, full_hi,
-                                               SK, OFFSET, qk_scale, softcap, row_lo, row_hi, CAUSAL, INTERVALS, LAZY,
-                                               SOFTCAP)
+                                               SK, OFFSET, qk_scale, row_lo, row_hi, CAUSAL, INTERVALS, LAZY, SOFTCAP)
             if LAZY and SOFTCAP != 3:
                 # alpha is 1 in every row whose max stayed: most tiles skip the rescaling, a branch the
                 # warpgroup must take as one. Each warp reduces its own 16 rows (shuffles only) and its
@@ -730,7 +733,7 @@ def hopper_forward(
         elem = gl.float32 if t.dtype == torch.float32 else gl_dtype
         descs.append(TmaDesc(t, shape, strides, (rows, cols), smem_layout(rows, cols, elem)))
     cap_mode = softcap_mode(softcap, q.dtype, "hopper_forward")
-    if cap_mode and q.dtype == torch.bfloat16 and softcap * 1.4426950408889634 <= CAP_SHIFT_MAX:
+    if cap_mode and q.dtype == torch.bfloat16 and softcap * LOG2E <= CAP_SHIFT_MAX:
         # bounded scores need no running max (`cap_shift`): its max, rescaling and their branch cost the
         # capped forward ~0.15x the uncapped time more on an H100 (bf16 only: P in fp16 would flush weights
         # far below the shift)

@@ -45,7 +45,7 @@ _BACKENDS: dict[str, tuple[str, str, tuple[torch.dtype, ...], bool]] = {
 # triton ring took 1.03x; `benchmarks/RESULTS.md`)
 _AUTO_MEASURED = {(9, 0): ("fa4", "sdpa", "triton", "torch")}
 # with a softcap in bf16 and one head dim, sm90: the triton kernels' capped forward took 0.50-0.53x FA4's
-# capped time and forward+backward 0.57-0.84x (H100, S 8K/32K, `softcap_dv-*.json`)
+# capped time and forward+backward 0.57-0.84x (H100, S 8K/32K)
 _AUTO_MEASURED_SOFTCAP = {(9, 0): ("triton", "fa4", "torch")}
 _AUTO_CUDA = ("triton", "sdpa", "torch")
 # backends whose ops take windows as a rule (`Masks.WINDOW`) besides those taking intervals
