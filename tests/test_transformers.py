@@ -62,13 +62,37 @@ def test_llama_head_parallel_ring_equals_whole_model(tmp_path):
     _rings_equal_whole(4, tmp_path, cases, EXACT)
 
 
-def test_gemma2_softcap_ring_equals_whole_model(tmp_path):
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"W{w}")
+def test_gemma2_softcap_ring_equals_whole_model(world, tmp_path):
     """Gemma 2's logit softcapping (and its sliding window) through the ring, against the whole model on
     transformers' eager attention (sdpa refuses softcap; eager's softmax rounds to float32)."""
-    seqlen = 2 * 2 * 11
+    seqlen = 2 * world * 11
     cases = [dict(layout=layout, seqlen=seqlen, docs=docs, compiled=False, arch="gemma2")
              for layout, docs in (("contiguous", None), ("zigzag", _docs(seqlen)))]
-    _rings_equal_whole(2, tmp_path, cases, FLOAT32_SOFTMAX, timeout=300)
+    _rings_equal_whole(world, tmp_path, cases, FLOAT32_SOFTMAX, timeout=300)
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"W{w}")
+def test_gpt_oss_sinks_ring_equals_whole_model(world, tmp_path):
+    """GPT-OSS's learnable sinks (and its sliding window on alternate layers) through the ring: each sink
+    counted once per row however many ranks hold its keys, with its own gradient, against the whole model
+    on transformers' eager attention (exact in float64; its packed documents run one by one)."""
+    seqlen = 2 * world * 11
+    cases = [dict(layout=layout, seqlen=seqlen, docs=docs, compiled=False, arch="gpt_oss")
+             for layout, docs in (("zigzag", None), ("stripe", _docs(seqlen)))]
+    _rings_equal_whole(world, tmp_path, cases, EXACT, timeout=300)
+
+
+def test_gemma3_ring_equals_whole_model(tmp_path):
+    """Gemma 3's local (windowed) and global layers through the ring, packed documents included, against
+    the whole model on transformers' sdpa attention. Gemma's RMSNorms (its query/key norms among them)
+    compute in float32, so the ring's last-bit differences in float64 can flip a float32 rounding on the
+    way back: gradients agree at float32's scale (1.4e-9 seen), logits exactly."""
+    seqlen = 2 * 2 * 11
+    cases = [dict(layout=layout, seqlen=seqlen, docs=docs, compiled=False, arch="gemma3")
+             for layout, docs in (("zigzag", _docs(seqlen)), ("contiguous", None))]
+    for where, _, r in _rings_equal_whole(2, tmp_path, cases, FLOAT32_SOFTMAX, timeout=300):
+        assert r["logits"] <= EXACT, (where, r)
 
 
 @pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"W{w}")

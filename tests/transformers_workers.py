@@ -49,9 +49,42 @@ def tiny_deepseek_v3(seed: int = 0):
     return DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)).double()
 
 
+def tiny_gemma3(seed: int = 0):
+    """A 2-layer Gemma 3 (text) with random weights: a sliding window of 6 on its local layers, each kind of
+    layer with its own rope, query/key norms, float64, no download."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attention_dropout=0.0,
+               sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return Gemma3ForCausalLM(Gemma3TextConfig(**cfg)).double()
+
+
+def tiny_gpt_oss(seed: int = 0):
+    """A 2-layer GPT-OSS with random weights: a learnable sink per head (drawn with std 2, so that it
+    matters; zeros at init), a sliding window of 6 on alternate layers, 4 experts, float64, no download."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attention_dropout=0.0,
+               sliding_window=6, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
+               eos_token_id=2)
+    model = GptOssForCausalLM(GptOssConfig(**cfg)).double()
+    model.config._experts_implementation = "eager"  # the grouped-matmul experts take no float64
+    for module in model.modules():
+        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+            torch.nn.init.normal_(module.sinks, std=2.0)
+    return model
+
+
 # arch -> (the tiny model, the transformers attention it is compared with: sdpa is exact in float64;
-# Gemma 2's softcapping only runs on eager, whose softmax rounds to float32)
-ARCHS = {"llama": (tiny_llama, "sdpa"), "gemma2": (tiny_gemma2, "eager"), "deepseek_v3": (tiny_deepseek_v3, "sdpa")}
+# Gemma 2's softcapping only runs on eager, whose softmax rounds to float32; GPT-OSS's sinks run on eager,
+# which computes in float64 but ignores packed position ids, so each of its documents runs alone)
+ARCHS = {"llama": (tiny_llama, "sdpa"), "gemma2": (tiny_gemma2, "eager"), "gemma3": (tiny_gemma3, "sdpa"),
+         "gpt_oss": (tiny_gpt_oss, "eager"), "deepseek_v3": (tiny_deepseek_v3, "sdpa")}
+ALONE = {"gpt_oss"}
 
 
 def packed_inputs(seqlen: int, docs: list[int] | None, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,10 +103,14 @@ def reference_loss(logits: torch.Tensor, ids: torch.Tensor, docs: list[int] | No
     return F.cross_entropy(logits[0, keep], ids[0, [t + 1 for t in keep]])
 
 
-def whole_model(model, ids, pos, docs, implementation: str):
-    """Logits and the mean loss's parameter gradients of the whole sequence on one process."""
+def whole_model(model, ids, pos, docs, implementation: str, alone: bool = False):
+    """Logits and the mean loss's parameter gradients of the whole sequence on one process (`alone`: each
+    document of `docs` run on its own, its logits concatenated)."""
     model.config._attn_implementation = implementation
-    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    if alone and docs:
+        logits = torch.cat([model(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(docs, docs[1:])], 1)
+    else:
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
     grads = torch.autograd.grad(reference_loss(logits, ids, docs), list(model.parameters()))
     return logits.detach(), grads
 
@@ -88,7 +125,7 @@ def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] 
     """Max abs differences, ring vs whole (transformers' sdpa: exact in float64; eager rounds its
     softmax to float32), of logits and of parameter gradients summed over the ranks. `arch`: a key of
     `ARCHS` (`gemma2`: softcapping, which transformers' sdpa refuses: both references are its eager;
-    `deepseek_v3`: a V head dim other than Q/K's). `grid=(U, R)`: head parallelism x ring over the groups
+    `gpt_oss`: learnable sinks; `deepseek_v3`: a V head dim other than Q/K's). `grid=(U, R)`: head parallelism x ring over the groups
     of `head_parallel_workers.grid`."""
     import torch.distributed as dist
     import torch._dynamo
@@ -101,8 +138,8 @@ def llama_ring(rank: int, world: int, layout: str, seqlen: int, docs: list[int] 
     build, reference = ARCHS[arch]
     model = build()
     ids, pos = packed_inputs(seqlen, docs)
-    ref_logits, ref_grads = whole_model(model, ids, pos, docs, reference)
-    eager_logits, _ = whole_model(model, ids, pos, docs, "eager")
+    ref_logits, ref_grads = whole_model(model, ids, pos, docs, reference, alone=arch in ALONE)
+    eager_logits = ref_logits if reference == "eager" else whole_model(model, ids, pos, docs, "eager")[0]
 
     model.config._attn_implementation = "ringlse"
     groups = {}
