@@ -223,6 +223,20 @@ def _merge_stacked_kernel(
 
 
 @triton.jit
+def _tuple_state(OS, LS, O_SB, O_SS, O_SH, L_SB, L_SH, L_SS, i: tl.constexpr, b, hh, s, cols, row_ok, mask,
+                 o_row, l_row, SAME_STRIDES: tl.constexpr):
+    """State i's `(lse, out)` tiles: at the offsets every state shares (SAME_STRIDES: one stride set, one
+    offset computed for all), else at its own strides."""
+    if SAME_STRIDES:
+        lse = tl.load(LS[i] + l_row, mask=row_ok, other=float("-inf")).to(tl.float32)
+        out = tl.load(OS[i] + o_row, mask=mask, other=0.0)
+    else:
+        lse = _load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok)
+        out = _load_out(OS[i], b, hh, s, O_SB[i], O_SS[i], O_SH[i], cols, mask)
+    return lse, out
+
+
+@triton.jit
 def _merge_tuple_kernel(
     OS, LS, OUT, LSE_OUT,
     n_heads, n_rows,
@@ -235,28 +249,41 @@ def _merge_tuple_kernel(
     IN_PLACE: tl.constexpr,
     BASE2: tl.constexpr,
     PRELOAD: tl.constexpr,
+    SAME_STRIDES: tl.constexpr,
 ):
-    """N states anywhere (tuples of tensors `OS`, `LS` and of their strides): the states of a sequence
-    of separately allocated tensors, more than the four-slot kernel takes. Max first, as the stacked
-    kernel: every lse for the max, then each lse again (a cache hit) with its output, one exp per state."""
+    """N states anywhere (tuples of tensors `OS`, `LS` and of their strides: one set each with
+    SAME_STRIDES): the states of a sequence of separately allocated tensors, more than the four-slot
+    kernel takes. Max first, as the stacked kernel: every lse for the max, then each lse again (a cache
+    hit) with its output, one exp per state."""
     b, s, hh, cols, row_ok, mask = _row_tile(n_heads, n_rows, D, BLOCK_R, BLOCK_D)
+    # (with one stride set, the offsets of a state's rows are computed once for all N: a one-token merge's
+    # time is mostly this address arithmetic and the loads' latency)
+    o_row = (b * O_SB[0] + s * O_SS[0] + hh * O_SH[0])[:, None] + cols[None, :]
+    l_row = b * L_SB[0] + hh * L_SH[0] + s * L_SS[0]
     if PRELOAD:
         lses = ()
         outs = ()
         for i in tl.static_range(N):
-            lses = lses + (_load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok),)
-            outs = outs + (_load_out(OS[i], b, hh, s, O_SB[i], O_SS[i], O_SH[i], cols, mask),)
+            lse, out = _tuple_state(OS, LS, O_SB, O_SS, O_SH, L_SB, L_SH, L_SS, i, b, hh, s, cols, row_ok, mask,
+                                    o_row, l_row, SAME_STRIDES)
+            lses = lses + (lse,)
+            outs = outs + (out,)
         lse, acc = _merge_loaded(lses, outs, N, BASE2)
     else:
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         for i in tl.static_range(N):
-            m = tl.maximum(m, _load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok))
+            if SAME_STRIDES:
+                m = tl.maximum(m, tl.load(LS[i] + l_row, mask=row_ok, other=float("-inf")))
+            else:
+                m = tl.maximum(m, _load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok))
         shift = merge_shift(m)
         t = tl.zeros([BLOCK_R], dtype=tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         for i in tl.static_range(N):
-            w = merge_weight(_load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok), shift, BASE2)
-            o = _load_out(OS[i], b, hh, s, O_SB[i], O_SS[i], O_SH[i], cols, mask).to(tl.float32)
+            lse, o = _tuple_state(OS, LS, O_SB, O_SS, O_SH, L_SB, L_SH, L_SS, i, b, hh, s, cols, row_ok, mask,
+                                  o_row, l_row, SAME_STRIDES)
+            w = merge_weight(lse, shift, BASE2)
+            o = o.to(tl.float32)
             t += w
             acc = acc + merge_term(w, o)
         lse, acc = merge_finish(shift, t, acc, BASE2)
@@ -431,9 +458,12 @@ def _launch_tuple(
         return
     o_st = [_state_strides(x, 3) for x in outs]
     l_st = [_state_strides(x, 2) for x in lses]
+    same = o_st.count(o_st[0]) == n and l_st.count(l_st[0]) == n
+    if same:  # (the usual sequence: states of one shape and layout)
+        o_st, l_st = o_st[:1], l_st[:1]
     _merge_tuple_kernel[g.grid](
         tuple(outs), tuple(lses), g.out4, g.lse4, g.nheads, g.n_rows, *zip(*o_st), *zip(*l_st),
-        *g.dst_args(), **g.constants(n, base2), PRELOAD=g.preload(n),
+        *g.dst_args(), **g.constants(n, base2), PRELOAD=g.preload(n), SAME_STRIDES=same,
     )
 
 

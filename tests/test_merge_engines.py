@@ -587,7 +587,8 @@ def test_gpu_update_in_place(layout, base, kernel_calls):
 
 
 @pytest.mark.parametrize("base", BASES)
-@pytest.mark.parametrize(("n", "stacked"), [(2, False), (3, True), (16, True)], ids=["slots-n2", "stacked-n3", "stacked-n16"])
+@pytest.mark.parametrize(("n", "stacked"), [(2, False), (3, True), (16, True), (8, False)],
+                         ids=["slots-n2", "stacked-n3", "stacked-n16", "tuple-n8"])
 @pytest.mark.parametrize(("block_rows", "num_warps"), [(1, 1), (2, 1), (4, 2), (16, 1)],
                          ids=["rows1", "rows2", "rows4", "rows16"])
 def test_kernel_small_tiles(block_rows, num_warps, n, stacked, base, device):

@@ -200,6 +200,33 @@ def test_merge_n_states(n, out_dtype, device):
     _assert_state(dst, dst_lse, ref_out, ref_lse, out_dtype)
 
 
+@pytest.mark.parametrize(("block_rows", "num_warps"), [(None, None), (1, 1)], ids=["default-tiles", "rows1-preload"])
+def test_merge_n_states_of_their_own_strides(block_rows, num_warps, device):
+    """A sequence of states of one shape but not one layout (a slice of a wider buffer, a tokens-first lse
+    seen as its transpose): the tuple kernel reads each at its own strides (one-row tiles: every state
+    loaded before any math)."""
+    n = 6
+    shape = (2, 97, 3, 80)
+    gen = torch.Generator().manual_seed(30)
+    outs, lses = [], []
+    for i in range(n):
+        o, l = _draw_state(shape, torch.float16, device, gen)
+        if i == 2:  # two heads more in the buffer: other token and batch strides
+            wide = torch.zeros(*shape[:-2], shape[-2] + 2, shape[-1], dtype=o.dtype, device=device)
+            wide[..., 1:-1, :] = o
+            o = wide[..., 1:-1, :]
+        if i == 4:
+            l = l.transpose(-1, -2).contiguous().transpose(-1, -2)
+        outs.append(o)
+        lses.append(l)
+    assert len({o.stride() for o in outs}) > 1 and len({l.stride() for l in lses}) > 1
+    _plant_inf_patterns(lses, gen)
+    ref_out, ref_lse = _ref_merge(outs, lses)
+    dst, dst_lse = _poisoned(shape, torch.float32, device)
+    km.merge_states(outs, lses, dst, dst_lse, block_rows=block_rows, num_warps=num_warps)
+    _assert_state(dst, dst_lse, ref_out, ref_lse, torch.float32)
+
+
 def test_kernel_rejects_what_it_cannot_take(device):
     shape = (1, 4, 2, 8)
     o = torch.randn(shape, device=device)
