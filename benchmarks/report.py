@@ -5,8 +5,8 @@
     python3 benchmarks/report.py --stdout   # print docs/results.md to stdout; write nothing
 
 `docs/results.md` is generated whole: the headline table, a before/after table, then every table of
-every result file. The README gets a shorter headline table (the newest, largest run of each
-benchmark), between its two `report.py headline` marker comments (the rest of the README is left as it
+every result file. The README gets a shorter headline table (of each benchmark the run on the most
+GPUs, then the first file by name), between its two `report.py headline` marker comments (the rest of the README is left as it
 is; without the markers the script stops with an error). Running it twice changes nothing: the output
 depends only on the JSON files, and a file is written only when its text changes. Runs on a CPU.
 """
