@@ -223,17 +223,24 @@ def _merge_stacked_kernel(
 
 
 @triton.jit
-def _tuple_state(OS, LS, O_SB, O_SS, O_SH, L_SB, L_SH, L_SS, i: tl.constexpr, b, hh, s, cols, row_ok, mask,
-                 o_row, l_row, SAME_STRIDES: tl.constexpr):
-    """State i's `(lse, out)` tiles: at the offsets every state shares (SAME_STRIDES: one stride set, one
-    offset computed for all), else at its own strides."""
+def _tuple_lse(LS, L_SB, L_SH, L_SS, i: tl.constexpr, b, hh, s, row_ok, l_row, SAME_STRIDES: tl.constexpr):
+    """State i's lse tile: at the offsets every state shares (SAME_STRIDES: one stride set, one offset
+    computed for all), else at its own strides."""
     if SAME_STRIDES:
         lse = tl.load(LS[i] + l_row, mask=row_ok, other=float("-inf")).to(tl.float32)
-        out = tl.load(OS[i] + o_row, mask=mask, other=0.0)
     else:
         lse = _load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok)
+    return lse
+
+
+@triton.jit
+def _tuple_out(OS, O_SB, O_SS, O_SH, i: tl.constexpr, b, hh, s, cols, mask, o_row, SAME_STRIDES: tl.constexpr):
+    """State i's out tile, as `_tuple_lse`."""
+    if SAME_STRIDES:
+        out = tl.load(OS[i] + o_row, mask=mask, other=0.0)
+    else:
         out = _load_out(OS[i], b, hh, s, O_SB[i], O_SS[i], O_SH[i], cols, mask)
-    return lse, out
+    return out
 
 
 @triton.jit
@@ -264,26 +271,19 @@ def _merge_tuple_kernel(
         lses = ()
         outs = ()
         for i in tl.static_range(N):
-            lse, out = _tuple_state(OS, LS, O_SB, O_SS, O_SH, L_SB, L_SH, L_SS, i, b, hh, s, cols, row_ok, mask,
-                                    o_row, l_row, SAME_STRIDES)
-            lses = lses + (lse,)
-            outs = outs + (out,)
+            lses = lses + (_tuple_lse(LS, L_SB, L_SH, L_SS, i, b, hh, s, row_ok, l_row, SAME_STRIDES),)
+            outs = outs + (_tuple_out(OS, O_SB, O_SS, O_SH, i, b, hh, s, cols, mask, o_row, SAME_STRIDES),)
         lse, acc = _merge_loaded(lses, outs, N, BASE2)
     else:
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         for i in tl.static_range(N):
-            if SAME_STRIDES:
-                m = tl.maximum(m, tl.load(LS[i] + l_row, mask=row_ok, other=float("-inf")))
-            else:
-                m = tl.maximum(m, _load_lse(LS[i], b, hh, s, L_SB[i], L_SH[i], L_SS[i], row_ok))
+            m = tl.maximum(m, _tuple_lse(LS, L_SB, L_SH, L_SS, i, b, hh, s, row_ok, l_row, SAME_STRIDES))
         shift = merge_shift(m)
         t = tl.zeros([BLOCK_R], dtype=tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         for i in tl.static_range(N):
-            lse, o = _tuple_state(OS, LS, O_SB, O_SS, O_SH, L_SB, L_SH, L_SS, i, b, hh, s, cols, row_ok, mask,
-                                  o_row, l_row, SAME_STRIDES)
-            w = merge_weight(lse, shift, BASE2)
-            o = o.to(tl.float32)
+            w = merge_weight(_tuple_lse(LS, L_SB, L_SH, L_SS, i, b, hh, s, row_ok, l_row, SAME_STRIDES), shift, BASE2)
+            o = _tuple_out(OS, O_SB, O_SS, O_SH, i, b, hh, s, cols, mask, o_row, SAME_STRIDES).to(tl.float32)
             t += w
             acc = acc + merge_term(w, o)
         lse, acc = merge_finish(shift, t, acc, BASE2)
