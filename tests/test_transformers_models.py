@@ -66,12 +66,7 @@ def build(name: str):
         pytest.skip(f"transformers {transformers.__version__} has no {model_class}")
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**COMMON, **overrides})
-    model = getattr(transformers, model_class)(config).double()
-    model.config._experts_implementation = "eager"  # the grouped-matmul experts take no float64
-    for module in model.modules():
-        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):  # zeros at init: make them matter
-            torch.nn.init.normal_(module.sinks, std=2.0)
-    return model
+    return tw.float64_ready(getattr(transformers, model_class)(config).double())
 
 
 def _run(model, implementation: str, ids, pos, docs=None):

@@ -10,73 +10,64 @@ import torch
 import torch.nn.functional as F
 
 
-def tiny_llama(seed: int = 0, **overrides):
-    """A 2-layer Llama with random weights (GQA 4/2), float64, no download."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+# the tiny models' shared shape (2 layers, 4 query heads, GQA 4/2 unless a model says otherwise)
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0)
+TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def float64_ready(model):
+    """`model` made to run and to matter in float64: eager experts (the grouped-matmul ones take no float64)
+    and its learnable sinks, zeros at init, drawn with std 2."""
+    model.config._experts_implementation = "eager"
+    for module in model.modules():
+        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+            torch.nn.init.normal_(module.sinks, std=2.0)
+    return model
+
+
+def _tiny(config_class: str, model_class: str, seed: int, **overrides):
+    """A transformers model of `TINY`'s shape with `overrides`, random weights from `seed`, float64."""
+    import transformers
 
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0)
-    cfg.update(overrides)
-    return LlamaForCausalLM(LlamaConfig(**cfg)).double()
+    config = getattr(transformers, config_class)(**{**TINY, **overrides})
+    return float64_ready(getattr(transformers, model_class)(config).double())
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    """A 2-layer Llama with random weights (GQA 4/2), float64, no download."""
+    return _tiny("LlamaConfig", "LlamaForCausalLM", seed, **overrides)
 
 
 def tiny_gemma2(seed: int = 0):
     """A 2-layer Gemma 2 with random weights, logit softcapping (attn_logit_softcapping 0.5, made to bite
     with a scale of 1) and a sliding window of 6 on alternate layers, float64, no download."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attention_dropout=0.0,
-               sliding_window=6, attn_logit_softcapping=0.5, query_pre_attn_scalar=1, pad_token_id=0,
-               bos_token_id=1, eos_token_id=2)
-    return Gemma2ForCausalLM(Gemma2Config(**cfg)).double()
+    return _tiny("Gemma2Config", "Gemma2ForCausalLM", seed, head_dim=16, sliding_window=6, attn_logit_softcapping=0.5,
+                 query_pre_attn_scalar=1, **TOKEN_IDS)
 
 
 def tiny_deepseek_v3(seed: int = 0):
     """A 2-layer DeepSeek-V3 with random weights and multi-head latent attention: q/k head dim 24 (16
     without rope + 8 with), v head dim 16, float64, no download. Every layer dense (its MoE layers run
     torch._grouped_mm, which takes no float64)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=4, max_position_embeddings=512, attention_dropout=0.0, q_lora_rank=None,
-               kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
-               num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=2, moe_intermediate_size=32,
-               pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)).double()
+    return _tiny("DeepseekV3Config", "DeepseekV3ForCausalLM", seed, num_key_value_heads=4, q_lora_rank=None,
+                 kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                 num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=2, moe_intermediate_size=32,
+                 **TOKEN_IDS)
 
 
 def tiny_gemma3(seed: int = 0):
     """A 2-layer Gemma 3 (text) with random weights: a sliding window of 6 on its local layers, each kind of
     layer with its own rope, query/key norms, float64, no download."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attention_dropout=0.0,
-               sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return Gemma3ForCausalLM(Gemma3TextConfig(**cfg)).double()
+    return _tiny("Gemma3TextConfig", "Gemma3ForCausalLM", seed, head_dim=16, sliding_window=6, **TOKEN_IDS)
 
 
 def tiny_gpt_oss(seed: int = 0):
     """A 2-layer GPT-OSS with random weights: a learnable sink per head (drawn with std 2, so that it
     matters; zeros at init), a sliding window of 6 on alternate layers, 4 experts, float64, no download."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attention_dropout=0.0,
-               sliding_window=6, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
-               eos_token_id=2)
-    model = GptOssForCausalLM(GptOssConfig(**cfg)).double()
-    model.config._experts_implementation = "eager"  # the grouped-matmul experts take no float64
-    for module in model.modules():
-        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
-            torch.nn.init.normal_(module.sinks, std=2.0)
-    return model
+    return _tiny("GptOssConfig", "GptOssForCausalLM", seed, head_dim=16, sliding_window=6, num_local_experts=4,
+                 num_experts_per_tok=2, **TOKEN_IDS)
 
 
 # arch -> (the tiny model, the transformers attention it is compared with: sdpa is exact in float64;
