@@ -55,6 +55,12 @@ BLOCK_M = 64
 STAGES = 2
 
 
+@gluon.constexpr_function
+def _acc_layout(cols):
+    """The register layout of a consumer warpgroup's `[64, cols]` WGMMA accumulator."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+
+
 @gluon.jit
 def _key_walk(n0, walk, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr):
     """The query walk of the key tile at key `n0`: `(m_lo, full_lo, full_hi, n_steps)`, `n_steps` query
@@ -212,6 +218,122 @@ def _dq_write(dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, W: gl.constexpr, HEAD
 
 
 @gluon.jit
+def _dkdv_step(it, start_m, masked, dk, dv, st_zero, smem, bars, k_rows, v_rows, rows_in, mask_in, scales,
+               WG: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, ROW_TMA: gl.constexpr,
+               FUSED: gl.constexpr, DQ_HALVES: gl.constexpr, SOFTCAP: gl.constexpr, MASKED: gl.constexpr):
+    """One query tile of `_dkdv_consume`'s walk (step `it`, queries from `start_m`): returns `(dk, dv)`.
+    MASKED: the tile may be cut by the causal boundary (CAUSAL) or the keys' query intervals, and is
+    where `masked` holds."""
+    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
+    kv_ready, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_full, dq_empty = bars
+    lse_base, delta_base, stride_ls, SQ = rows_in
+    offs_n, offs_m0, col_lo, col_hi, OFFSET = mask_in
+    qk_scale, cap_scale, dq_scale = scales
+    STAGES_: gl.constexpr = q_smem.type.shape[0]
+    BM: gl.constexpr = q_smem.type.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    st_layout: gl.constexpr = _acc_layout(BM)
+    kv_layout: gl.constexpr = _acc_layout(HEAD_D)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    DQ_COLS: gl.constexpr = HEAD_D // 2
+    dq_layout: gl.constexpr = _acc_layout(DQ_COLS)
+    offs_m = start_m + offs_m0
+    s = it % STAGES_
+    ph = (it // STAGES_) & 1
+    q_buf = q_smem.index(s)
+    do_buf = do_smem.index(s)
+    if not ROW_TMA:
+        m_ok = offs_m < SQ
+        lse = gl.load(lse_base + offs_m * stride_ls, mask=m_ok, other=float("-inf"))
+        delta = gl.load(delta_base + offs_m * stride_ls, mask=m_ok, other=0.0)
+    mbarrier.wait(q_ready.index(s), ph)
+    st = warpgroup_mma(k_rows, q_buf.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+    if ROW_TMA:
+        # (rows past SQ come as 0, like their Q and dO rows: P = 1 there, dP = delta = 0, so
+        # they add exactly 0 to dV and dK)
+        lse = lse_smem.index(s).reshape([BM]).load(col_layout)
+    # rows that see nothing anywhere (lse -inf; past SQ, loaded here): lse -> +inf makes P exactly 0
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    mbarrier.wait(do_ready.index(s), ph)
+    if ROW_TMA:
+        delta = delta_smem.index(s).reshape([BM]).load(col_layout)
+    # dP^T - delta: the accumulator starts at -delta (its registers are the MMA's anyway, and delta's
+    # are free before P^T): ptxas spilled 232 B at head dim 128 under intervals, 68 B causal, now
+    # 100 and 0; masked x1.02-1.07, dense x1.00-1.04 (H200).
+    # dS^T's last bits, and so some of its bf16 roundings, differ from the Triton kernels' (they
+    # subtract after): gradients within 1e-3 of max |dq| of theirs, no longer bit for bit
+    dpt = warpgroup_mma(v_rows, do_buf.permute((1, 0)), st_zero - delta[None, :], is_async=True)
+    # P^T while dP^T is still on the tensor cores
+    st, _, _ = warpgroup_mma_wait(1, deps=[st, k_rows, q_buf])
+    if SOFTCAP:
+        tt = tanh_f32(st, 2)
+        pt = gl.exp2(tt * cap_scale - lse2[None, :])
+    else:
+        pt = gl.exp2(st * qk_scale - lse2[None, :])
+    if MASKED:
+        if masked:
+            if CAUSAL:
+                pt = gl.where(offs_n[:, None] <= offs_m[None, :] + OFFSET, pt, 0.0)
+            else:
+                pt = gl.where((offs_m[None, :] >= col_lo[:, None]) & (offs_m[None, :] < col_hi[:, None]), pt,
+                              0.0)
+    # dV += P^T dO goes to the tensor cores before dP^T is waited for (groups retire in order)
+    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_buf, dv, is_async=True)
+    if SOFTCAP:
+        # the cap's derivative folded into P^T once its dV operand is formed: tanh dies here, before
+        # dP^T's wait, instead of being recovered from P by a log2 after it
+        pt = pt * (1.0 - tt * tt)
+    dpt, _, _ = warpgroup_mma_wait(1, deps=[dpt, v_rows, do_buf])
+    dst = pt * dpt
+    if FUSED:
+        # this warpgroup's half of dS^T to its slot of the step's pair (the dQ warpgroup of two
+        # steps ago has read it)
+        ds_phase = (it // 2) & 1
+        mbarrier.wait(ds_empty.index(s), ds_phase ^ 1)
+        ds_smem.index(2 * s + WG).store(dst.to(dtype))
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(s), count=1)
+    dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_buf, dk, is_async=True)
+    dv, dk, _, _ = warpgroup_mma_wait(0, deps=[dv, dk, q_buf, do_buf])
+    mbarrier.arrive(q_empty.index(s), count=1)
+    mbarrier.arrive(do_empty.index(s), count=1)
+    if DQ_HALVES:
+        # this warpgroup's half of the tile's columns of dQ = dS K over both warpgroups' keys (dS from
+        # the two halves of dS^T, read transposed), into the step's dQ slot
+        mbarrier.wait(ds_ready.index(s), ds_phase)
+        ds0 = ds_smem.index(2 * s).permute((1, 0))
+        ds1 = ds_smem.index(2 * s + 1).permute((1, 0))
+        k0 = k_smem.index(0).slice(WG * DQ_COLS, DQ_COLS, 1)
+        k1 = k_smem.index(1).slice(WG * DQ_COLS, DQ_COLS, 1)
+        dq = warpgroup_mma(ds0, k0, gl.zeros([BM, DQ_COLS], gl.float32, dq_layout), use_acc=False,
+                           is_async=True)
+        dq = warpgroup_mma(ds1, k1, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq, ds0, ds1, k0, k1])[0]
+        mbarrier.arrive(ds_empty.index(s), count=1)
+        mbarrier.wait(dq_empty.index(s), ds_phase ^ 1)
+        dq_smem.index(s).slice(WG * DQ_COLS, DQ_COLS, 1).store(dq * dq_scale)
+        fence_async_shared()
+        mbarrier.arrive(dq_full.index(s), count=1)
+    elif FUSED:
+        if it % 2 == WG:
+            # the whole tile of dQ = dS K on every other step (this step's stage is WG's)
+            mbarrier.wait(ds_ready.index(WG), ds_phase)
+            ds0 = ds_smem.index(2 * WG).permute((1, 0))
+            ds1 = ds_smem.index(2 * WG + 1).permute((1, 0))
+            dq = warpgroup_mma(ds0, k_smem.index(0), gl.zeros([BM, HEAD_D], gl.float32, kv_layout),
+                               use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds1, k_smem.index(1), dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=[dq, ds0, ds1, k_smem.index(0), k_smem.index(1)])[0]
+            mbarrier.arrive(ds_empty.index(WG), count=1)
+            mbarrier.wait(dq_empty.index(WG), ds_phase ^ 1)
+            dq_smem.index(WG).store(dq * dq_scale)
+            fence_async_shared()
+            mbarrier.arrive(dq_full.index(WG), count=1)
+    return dk, dv
+
+
+@gluon.jit
 def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_scale, dq_scale, softcap,
                   WG: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, INTERVALS: gl.constexpr,
                   REDUCE: gl.constexpr, ROW_TMA: gl.constexpr, FUSED: gl.constexpr, DQ_HALVES: gl.constexpr,
@@ -232,15 +354,8 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
     BM: gl.constexpr = q_smem.type.shape[1]
     BN: gl.constexpr = CONSUMERS * ROWS
     dtype: gl.constexpr = q_smem.dtype
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BM, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_D, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-    DQ_COLS: gl.constexpr = HEAD_D // 2
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_COLS, 16])
+    st_layout: gl.constexpr = _acc_layout(BM)
+    kv_layout: gl.constexpr = _acc_layout(HEAD_D)
 
     off_b, off_hk, g_lo, n_g, n0, m_lo, full_lo, full_hi, n_steps = _key_tile(walk, BM, BN, CAUSAL, INTERVALS,
                                                                                FUSED)
@@ -252,7 +367,6 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
         n_ok = offs_n < SK
         col_lo = gl.maximum(gl.load(QueryLo + offs_n, mask=n_ok, other=0), 0)
         col_hi = gl.minimum(gl.load(QueryHi + offs_n, mask=n_ok, other=0), SQ)
-    offs_m0 = gl.arange(0, BM, col_layout)
     st_zero = gl.zeros([ROWS, BM], gl.float32, st_layout)
     dk = gl.zeros([ROWS, HEAD_D], gl.float32, kv_layout)
     dv = gl.zeros([ROWS, HEAD_D], gl.float32, kv_layout)
@@ -264,104 +378,51 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
         into_tanh, cap_scale = cap_scales(qk_scale, softcap)
         scale_smem(k_rows, into_tanh)
     it = 0
+    if not INTERVALS:
+        col_lo, col_hi = offs_n, offs_n  # (unused)
+    mask_in = (offs_n, gl.arange(0, BM, gl.SliceLayout(0, st_layout)), col_lo, col_hi, OFFSET)
+    if not SOFTCAP:
+        cap_scale = qk_scale  # (unused)
+    scales = (qk_scale, cap_scale, dq_scale)
+    MASKS: gl.constexpr = CAUSAL or INTERVALS
     for gg in range(n_g):
         off_h = off_hk * GROUP + g_lo + gg
-        lse_base = Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
-        delta_base = Delta + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
-        for i in range(n_steps):
-            start_m = m_lo + i * BM
-            offs_m = start_m + offs_m0
-            s = it % STAGES_
-            ph = (it // STAGES_) & 1
-            q_buf = q_smem.index(s)
-            do_buf = do_smem.index(s)
-            if not ROW_TMA:
-                m_ok = offs_m < SQ
-                lse = gl.load(lse_base + offs_m * stride_ls, mask=m_ok, other=float("-inf"))
-                delta = gl.load(delta_base + offs_m * stride_ls, mask=m_ok, other=0.0)
-            mbarrier.wait(q_ready.index(s), ph)
-            st = warpgroup_mma(k_rows, q_buf.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            if ROW_TMA:
-                # (rows past SQ come as 0, like their Q and dO rows: P = 1 there, dP = delta = 0, so
-                # they add exactly 0 to dV and dK)
-                lse = lse_smem.index(s).reshape([BM]).load(col_layout)
-            # rows that see nothing anywhere (lse -inf; past SQ, loaded here): lse -> +inf makes P exactly 0
-            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            mbarrier.wait(do_ready.index(s), ph)
-            if ROW_TMA:
-                delta = delta_smem.index(s).reshape([BM]).load(col_layout)
-            # dP^T - delta: the accumulator starts at -delta (its registers are the MMA's anyway, and delta's
-            # are free before P^T): ptxas spilled 232 B at head dim 128 under intervals, 68 B causal, now
-            # 100 and 0; masked x1.02-1.07, dense x1.00-1.04 (H200).
-            # dS^T's last bits, and so some of its bf16 roundings, differ from the Triton kernels' (they
-            # subtract after): gradients within 1e-3 of max |dq| of theirs, no longer bit for bit
-            dpt = warpgroup_mma(v_rows, do_buf.permute((1, 0)), st_zero - delta[None, :], is_async=True)
-            # P^T while dP^T is still on the tensor cores
-            st, _, _ = warpgroup_mma_wait(1, deps=[st, k_rows, q_buf])
-            if SOFTCAP:
-                tt = tanh_f32(st, 2)
-                pt = gl.exp2(tt * cap_scale - lse2[None, :])
-            else:
-                pt = gl.exp2(st * qk_scale - lse2[None, :])
-            if CAUSAL:
-                if start_m < full_lo:
-                    pt = gl.where(offs_n[:, None] <= offs_m[None, :] + OFFSET, pt, 0.0)
+        rows_in = (Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh,
+                   Delta + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh, stride_ls, SQ)
+        if SOFTCAP and MASKS:
+            # the masked query tiles (causal: those the boundary cuts; intervals: also those past full_hi) in
+            # loops of their own around the unmasked ones, so that the mask's registers stay out of the main
+            # loop, where the capped kernel spilled: windows x0.79-0.81, causal x0.98-0.99 (H200); uncapped,
+            # whose one loop spills nothing, the split spilled and gained nothing
+            n_head = gl.minimum(gl.cdiv(gl.maximum(full_lo - m_lo, 0), BM), n_steps)
+            n_mid = n_steps
             if INTERVALS:
-                if (start_m < full_lo) | (start_m + BM > full_hi):
-                    pt = gl.where((offs_m[None, :] >= col_lo[:, None]) & (offs_m[None, :] < col_hi[:, None]), pt, 0.0)
-            # dV += P^T dO goes to the tensor cores before dP^T is waited for (groups retire in order)
-            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_buf, dv, is_async=True)
-            if SOFTCAP:
-                # the cap's derivative folded into P^T once its dV operand is formed: tanh dies here, before
-                # dP^T's wait, instead of being recovered from P by a log2 after it
-                pt = pt * (1.0 - tt * tt)
-            dpt, _, _ = warpgroup_mma_wait(1, deps=[dpt, v_rows, do_buf])
-            dst = pt * dpt
-            if FUSED:
-                # this warpgroup's half of dS^T to its slot of the step's pair (the dQ warpgroup of two
-                # steps ago has read it)
-                ds_phase = (it // 2) & 1
-                mbarrier.wait(ds_empty.index(s), ds_phase ^ 1)
-                ds_smem.index(2 * s + WG).store(dst.to(dtype))
-                fence_async_shared()
-                mbarrier.arrive(ds_ready.index(s), count=1)
-            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_buf, dk, is_async=True)
-            dv, dk, _, _ = warpgroup_mma_wait(0, deps=[dv, dk, q_buf, do_buf])
-            mbarrier.arrive(q_empty.index(s), count=1)
-            mbarrier.arrive(do_empty.index(s), count=1)
-            if DQ_HALVES:
-                # this warpgroup's half of the tile's columns of dQ = dS K over both warpgroups' keys (dS from
-                # the two halves of dS^T, read transposed), into the step's dQ slot
-                mbarrier.wait(ds_ready.index(s), ds_phase)
-                ds0 = ds_smem.index(2 * s).permute((1, 0))
-                ds1 = ds_smem.index(2 * s + 1).permute((1, 0))
-                k0 = k_smem.index(0).slice(WG * DQ_COLS, DQ_COLS, 1)
-                k1 = k_smem.index(1).slice(WG * DQ_COLS, DQ_COLS, 1)
-                dq = warpgroup_mma(ds0, k0, gl.zeros([BM, DQ_COLS], gl.float32, dq_layout), use_acc=False,
-                                   is_async=True)
-                dq = warpgroup_mma(ds1, k1, dq, is_async=True)
-                dq = warpgroup_mma_wait(0, deps=[dq, ds0, ds1, k0, k1])[0]
-                mbarrier.arrive(ds_empty.index(s), count=1)
-                mbarrier.wait(dq_empty.index(s), ds_phase ^ 1)
-                dq_smem.index(s).slice(WG * DQ_COLS, DQ_COLS, 1).store(dq * dq_scale)
-                fence_async_shared()
-                mbarrier.arrive(dq_full.index(s), count=1)
-            elif FUSED:
-                if it % 2 == WG:
-                    # the whole tile of dQ = dS K on every other step (this step's stage is WG's)
-                    mbarrier.wait(ds_ready.index(WG), ds_phase)
-                    ds0 = ds_smem.index(2 * WG).permute((1, 0))
-                    ds1 = ds_smem.index(2 * WG + 1).permute((1, 0))
-                    dq = warpgroup_mma(ds0, k_smem.index(0), gl.zeros([BM, HEAD_D], gl.float32, kv_layout),
-                                       use_acc=False, is_async=True)
-                    dq = warpgroup_mma(ds1, k_smem.index(1), dq, is_async=True)
-                    dq = warpgroup_mma_wait(0, deps=[dq, ds0, ds1, k_smem.index(0), k_smem.index(1)])[0]
-                    mbarrier.arrive(ds_empty.index(WG), count=1)
-                    mbarrier.wait(dq_empty.index(WG), ds_phase ^ 1)
-                    dq_smem.index(WG).store(dq * dq_scale)
-                    fence_async_shared()
-                    mbarrier.arrive(dq_full.index(WG), count=1)
-            it += 1
+                n_mid = gl.minimum(gl.maximum(gl.maximum(full_hi - m_lo, 0) // BM, n_head), n_steps)
+            for i in range(n_head):
+                dk, dv = _dkdv_step(it, m_lo + i * BM, True, dk, dv, st_zero, smem, bars, k_rows, v_rows,
+                                    rows_in, mask_in, scales, WG, HEAD_D, CAUSAL, ROW_TMA, FUSED, DQ_HALVES,
+                                    SOFTCAP, True)
+                it += 1
+            for i in range(n_head, n_mid):
+                dk, dv = _dkdv_step(it, m_lo + i * BM, False, dk, dv, st_zero, smem, bars, k_rows, v_rows,
+                                    rows_in, mask_in, scales, WG, HEAD_D, CAUSAL, ROW_TMA, FUSED, DQ_HALVES,
+                                    SOFTCAP, False)
+                it += 1
+            for i in range(n_mid, n_steps):
+                dk, dv = _dkdv_step(it, m_lo + i * BM, True, dk, dv, st_zero, smem, bars, k_rows, v_rows,
+                                    rows_in, mask_in, scales, WG, HEAD_D, CAUSAL, ROW_TMA, FUSED, DQ_HALVES,
+                                    SOFTCAP, True)
+                it += 1
+        else:
+            for i in range(n_steps):
+                start_m = m_lo + i * BM
+                masked = start_m < full_lo
+                if INTERVALS:
+                    masked = masked | (start_m + BM > full_hi)
+                dk, dv = _dkdv_step(it, start_m, masked, dk, dv, st_zero, smem, bars, k_rows, v_rows, rows_in,
+                                    mask_in, scales, WG, HEAD_D, CAUSAL, ROW_TMA, FUSED, DQ_HALVES, SOFTCAP,
+                                    MASKS)
+                it += 1
 
     if INTERVALS:
         # keys no query of this block sees: exactly 0, whatever the unmasked tiles made of them
