@@ -218,12 +218,13 @@ def _dq_write(dq_smem, bars, DQ, DK, DV, Sem, KvSem, walk, W: gl.constexpr, HEAD
 
 
 @gluon.jit
-def _dkdv_step(it, start_m, masked, dk, dv, st_zero, smem, bars, k_rows, v_rows, rows_in, mask_in, scales,
+def _dkdv_step(it, start_m, masked, dk, dv, ops,
                WG: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, ROW_TMA: gl.constexpr,
                FUSED: gl.constexpr, DQ_HALVES: gl.constexpr, SOFTCAP: gl.constexpr, MASKED: gl.constexpr):
-    """One query tile of `_dkdv_consume`'s walk (step `it`, queries from `start_m`): returns `(dk, dv)`.
-    MASKED: the tile may be cut by the causal boundary (CAUSAL) or the keys' query intervals, and is
-    where `masked` holds."""
+    """One query tile of `_dkdv_consume`'s walk (step `it`, queries from `start_m`; `ops` what every step
+    reads): returns `(dk, dv)`. MASKED: the tile may be cut by the causal boundary (CAUSAL) or the keys'
+    query intervals, and is where `masked` holds."""
+    st_zero, smem, bars, k_rows, v_rows, rows_in, mask_in, scales = ops
     q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
     kv_ready, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_full, dq_empty = bars
     lse_base, delta_base, stride_ls, SQ = rows_in
@@ -385,33 +386,32 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
         cap_scale = qk_scale  # (unused)
     scales = (qk_scale, cap_scale, dq_scale)
     MASKS: gl.constexpr = CAUSAL or INTERVALS
+    # a capped kernel walks the masked query tiles (causal: those the boundary cuts; intervals: also those
+    # past full_hi) in loops of their own around the unmasked ones, so that the mask's registers stay out of
+    # the main loop, where it spilled: windows x0.79-0.81, causal x0.98-0.99 (H200); uncapped, whose one loop
+    # spills nothing, the split spilled and gained nothing
+    SPLIT: gl.constexpr = SOFTCAP and MASKS
+    n_head = gl.minimum(gl.cdiv(gl.maximum(full_lo - m_lo, 0), BM), n_steps)
+    n_mid = n_steps
+    if INTERVALS:
+        n_mid = gl.minimum(gl.maximum(gl.maximum(full_hi - m_lo, 0) // BM, n_head), n_steps)
     for gg in range(n_g):
         off_h = off_hk * GROUP + g_lo + gg
         rows_in = (Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh,
                    Delta + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh, stride_ls, SQ)
-        if SOFTCAP and MASKS:
-            # the masked query tiles (causal: those the boundary cuts; intervals: also those past full_hi) in
-            # loops of their own around the unmasked ones, so that the mask's registers stay out of the main
-            # loop, where the capped kernel spilled: windows x0.79-0.81, causal x0.98-0.99 (H200); uncapped,
-            # whose one loop spills nothing, the split spilled and gained nothing
-            n_head = gl.minimum(gl.cdiv(gl.maximum(full_lo - m_lo, 0), BM), n_steps)
-            n_mid = n_steps
-            if INTERVALS:
-                n_mid = gl.minimum(gl.maximum(gl.maximum(full_hi - m_lo, 0) // BM, n_head), n_steps)
+        ops = (st_zero, smem, bars, k_rows, v_rows, rows_in, mask_in, scales)
+        if SPLIT:
             for i in range(n_head):
-                dk, dv = _dkdv_step(it, m_lo + i * BM, True, dk, dv, st_zero, smem, bars, k_rows, v_rows,
-                                    rows_in, mask_in, scales, WG, HEAD_D, CAUSAL, ROW_TMA, FUSED, DQ_HALVES,
-                                    SOFTCAP, True)
+                dk, dv = _dkdv_step(it, m_lo + i * BM, True, dk, dv, ops, WG, HEAD_D, CAUSAL, ROW_TMA, FUSED,
+                                    DQ_HALVES, SOFTCAP, True)
                 it += 1
             for i in range(n_head, n_mid):
-                dk, dv = _dkdv_step(it, m_lo + i * BM, False, dk, dv, st_zero, smem, bars, k_rows, v_rows,
-                                    rows_in, mask_in, scales, WG, HEAD_D, CAUSAL, ROW_TMA, FUSED, DQ_HALVES,
-                                    SOFTCAP, False)
+                dk, dv = _dkdv_step(it, m_lo + i * BM, False, dk, dv, ops, WG, HEAD_D, CAUSAL, ROW_TMA, FUSED,
+                                    DQ_HALVES, SOFTCAP, False)
                 it += 1
             for i in range(n_mid, n_steps):
-                dk, dv = _dkdv_step(it, m_lo + i * BM, True, dk, dv, st_zero, smem, bars, k_rows, v_rows,
-                                    rows_in, mask_in, scales, WG, HEAD_D, CAUSAL, ROW_TMA, FUSED, DQ_HALVES,
-                                    SOFTCAP, True)
+                dk, dv = _dkdv_step(it, m_lo + i * BM, True, dk, dv, ops, WG, HEAD_D, CAUSAL, ROW_TMA, FUSED,
+                                    DQ_HALVES, SOFTCAP, True)
                 it += 1
         else:
             for i in range(n_steps):
@@ -419,9 +419,8 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
                 masked = start_m < full_lo
                 if INTERVALS:
                     masked = masked | (start_m + BM > full_hi)
-                dk, dv = _dkdv_step(it, start_m, masked, dk, dv, st_zero, smem, bars, k_rows, v_rows, rows_in,
-                                    mask_in, scales, WG, HEAD_D, CAUSAL, ROW_TMA, FUSED, DQ_HALVES, SOFTCAP,
-                                    MASKS)
+                dk, dv = _dkdv_step(it, start_m, masked, dk, dv, ops, WG, HEAD_D, CAUSAL, ROW_TMA, FUSED,
+                                    DQ_HALVES, SOFTCAP, MASKS)
                 it += 1
 
     if INTERVALS:
