@@ -67,7 +67,8 @@ def ring_backward(call: RingCall, g: GradInputs, k: torch.Tensor, v: torch.Tenso
     (`Pieces`), which adds each message into its float32 dk/dv once its own next piece is built (in
     order; so at most three pieces' messages are alive, whatever W). Rank j's own block is computed in
     two halves of its keys (`split_keys`): the diagonal square (second half) while the first K/V
-    transfer is in flight, the first half (three times the work) while the last gradients go home.
+    transfer is in flight, the first half (three times the work) while the last gradients go home; an
+    own block of masked calls, which stays whole, runs last.
     """
     q, comm, acc = g.q, call.comm, call.op.accumulation
     pack = KVPack.of(k, v)  # a dk/dv message's shapes: dv has V's head dim
@@ -94,13 +95,17 @@ def ring_backward(call: RingCall, g: GradInputs, k: torch.Tensor, v: torch.Tenso
         add(call.plans[0], (k, v), dq, dk, dv)
         return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
     keys_low, keys_high = split_keys(call.plans[0], q.shape[1] // 2)
+    # a masked own block stays whole (`split_keys`): it then runs after the remote steps, while their last
+    # dk/dv messages go home, rather than first, where nothing would hide those
+    own_last = not keys_low
     moves = kv_transport(call, k, v)
     pieces = Pieces.of(call, q, k, v)
     returns = dkv_return(call, k, v, pieces.split, piece_size(q.shape[1], DKV_PIECES))
     try:
         for s, kv in moves.blocks("backward"):
             if s == 0:
-                add(keys_high, (k, v), dq, dk, dv)
+                if not own_last:
+                    add(keys_high, (k, v), dq, dk, dv)
                 continue
             # rank (rank + s) mod W attends to our K/V at its step s: its calls say what comes back, piece
             # by piece as ours go (both ends cut the same plan the same way, so messages pair in order)
@@ -116,7 +121,7 @@ def ring_backward(call: RingCall, g: GradInputs, k: torch.Tensor, v: torch.Tenso
                 del sent  # the return holds what was sent until it settles
             if pieces.dq_apart:  # the last piece's messages travel meanwhile
                 add(call.plans[s], kv, dq, None, None)
-        add(keys_low, (k, v), dq, dk, dv)
+        add(keys_high if own_last else keys_low, (k, v), dq, dk, dv)
         returns.settle(dk, dv)
         returns.finish()
     except BaseException:
