@@ -7,6 +7,9 @@ bounds on the inputs' device."""
 
 from __future__ import annotations
 
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
 from ringlse.blocks.contract import BlockOp, Capabilities, Masks
 from ringlse.kernel_import import kernel_module
 from ringlse.masks import Intervals
@@ -17,8 +20,22 @@ if _fwd is None or _bwd is None:
     raise ImportError("the triton backend needs Triton and the installed ringlse.kernels")
 
 
-def _on(device, x):
-    return x.to(device, non_blocking=True)
+# device copies of interval bounds, by the CPU tensor (the plans cache theirs: every layer and call of a
+# ring reads the same ones) and by (device, stream): a copy is read on the stream that made it
+_ON_DEVICE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _on(device: torch.device, x: torch.Tensor) -> torch.Tensor:
+    if device.type != "cuda" or x.device == device or torch.cuda.is_current_stream_capturing():
+        return x.to(device, non_blocking=True)
+    copies = _ON_DEVICE.get(x)
+    if copies is None:
+        copies = _ON_DEVICE[x] = {}
+    where = (device.index, torch.cuda.current_stream(device.index).cuda_stream)
+    got = copies.get(where)
+    if got is None:
+        got = copies[where] = x.to(device, non_blocking=True)
+    return got
 
 
 def triton_block_forward(q, k, v, *, intervals: Intervals | None = None, **block):

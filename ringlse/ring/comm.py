@@ -282,11 +282,17 @@ class RingComm:
         return self.group if self._gloo_twin is None else self._gloo_twin
 
 
+def current_stream() -> torch.cuda.Stream:
+    """The current device's current stream: `torch.cuda.current_stream()` without the device lookup it
+    makes with no device given (which asks whether CUDA is available, every call)."""
+    return torch.cuda.current_stream(torch.cuda.current_device())
+
+
 def record_event() -> torch.cuda.Event:
     """An event recorded now on the current stream: what a transfer posted from the side stream waits
     for instead of everything queued."""
     ev = torch.cuda.Event()
-    ev.record()
+    ev.record(current_stream())
     return ev
 
 

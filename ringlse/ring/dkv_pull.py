@@ -42,6 +42,7 @@ import functools
 import torch
 
 from ringlse.kv_pack import KVPack
+from ringlse.ring.comm import current_stream
 from ringlse.ring.pull import _symm_mem, event_within, side_stream
 
 # channels of the message workspace's signal pads: "ready" and "read" per slot
@@ -169,7 +170,7 @@ class PulledMessages:
             free = torch.cuda.Event()
             free.record(self.send_stream)
             self.pending.append((free, step, last_owner, "it did not read our last dk/dv message"))
-            torch.cuda.current_stream().wait_event(free)
+            current_stream().wait_event(free)
             self.ws.owner[slot] = None
         msg = self._view(self.comm.rank, slot, rows)
         msg.zero_()
@@ -178,7 +179,7 @@ class PulledMessages:
     def send(self, piece: int, dst: int) -> None:
         """Piece `piece`'s message (queued on the current stream) goes to group rank `dst`, which pulls it."""
         slot = piece % SLOTS
-        self.send_stream.wait_stream(torch.cuda.current_stream())
+        self.send_stream.wait_stream(current_stream())
         self._signal(self.send_stream, dst, _READY + slot)
         self.ws.owner[slot] = dst
 
@@ -188,7 +189,7 @@ class PulledMessages:
         before reading the buffer)."""
         slot = piece % SLOTS
         buf = self.pack.rows(rows).empty(self.dtype, self.ws.buf.device)
-        self.recv_stream.wait_stream(torch.cuda.current_stream())  # the buffer is allocated there
+        self.recv_stream.wait_stream(current_stream())  # the buffer is allocated there
         self._await(self.recv_stream, src, _READY + slot)
         with torch.cuda.stream(self.recv_stream):
             buf.copy_(self._view(src, slot, rows))

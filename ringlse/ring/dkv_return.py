@@ -24,6 +24,7 @@ from ringlse.checks import lse_dtype
 from ringlse.kv_pack import KVPack
 from ringlse.merge import PartSum
 from ringlse.ring.call import RingCall, Transport
+from ringlse.ring.comm import current_stream
 from ringlse.ring.dkv_pull import PulledMessages
 from ringlse.ring.kv_transport import DKV_TAG
 
@@ -86,7 +87,7 @@ class DkvReturn:
         self.in_flight = None  # the sent tensors go with it
         self.call.comm.wait(works, "backward", self.call.limit)
         for arrived in pulls:
-            torch.cuda.current_stream().wait_event(arrived)
+            current_stream().wait_event(arrived)
         for k0, k1, dk_part, dv_part in received:
             dk.accumulator()[:, k0:k1] += dk_part
             dv.accumulator()[:, k0:k1] += dv_part

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ringlse.kv_pack import KVPack
-from ringlse.ring.comm import Pending
+from ringlse.ring.comm import Pending, current_stream
 
 # Workspaces live on the group's `RingComm` (`pull_workspaces`: device -> [buffer, handle, calls
 # published, {(rank, pack, dtype, offset): (flat buffer, (k, v) views)}]; outgrown ones in
@@ -203,7 +203,7 @@ class PulledKV:
         """The call is done with its pulls (or makes none: the ranks disagreed, or this rank reads no
         rows of the others): the current stream waits for the side stream, which may still be
         reading k and v."""
-        torch.cuda.current_stream().wait_stream(self.stream)
+        current_stream().wait_stream(self.stream)
 
     def pull(self, s: int, dst: torch.Tensor, rows: tuple[int, int], after: torch.cuda.Event | None) -> None:
         """Copy rows `[k0, k1)` of rank (rank - s)'s K/V into `dst` (a flat buffer of the same pack),
@@ -228,4 +228,4 @@ class PulledKV:
         """Make the current stream wait for block s (if any rows of it were pulled)."""
         done = self.arrived.pop(s, None)
         if done is not None:
-            torch.cuda.current_stream().wait_event(done)
+            current_stream().wait_event(done)
