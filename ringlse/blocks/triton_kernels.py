@@ -16,7 +16,8 @@ from ringlse.masks import Intervals
 
 _fwd = kernel_module("attention_fwd")
 _bwd = kernel_module("attention_bwd")
-if _fwd is None or _bwd is None:
+_launch = kernel_module("launch")
+if _fwd is None or _bwd is None or _launch is None:
     raise ImportError("the triton backend needs Triton and the installed ringlse.kernels")
 
 
@@ -28,10 +29,8 @@ _ON_DEVICE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def _on(device: torch.device, x: torch.Tensor) -> torch.Tensor:
     if device.type != "cuda" or x.device == device or torch.cuda.is_current_stream_capturing():
         return x.to(device, non_blocking=True)
-    copies = _ON_DEVICE.get(x)
-    if copies is None:
-        copies = _ON_DEVICE[x] = {}
-    where = (device.index, torch.cuda.current_stream(device.index).cuda_stream)
+    copies = _ON_DEVICE.setdefault(x, {})
+    where = (device.index, _launch.current_raw_stream(device.index))
     got = copies.get(where)
     if got is None:
         got = copies[where] = x.to(device, non_blocking=True)

@@ -95,17 +95,16 @@ def ring_backward(call: RingCall, g: GradInputs, k: torch.Tensor, v: torch.Tenso
         add(call.plans[0], (k, v), dq, dk, dv)
         return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
     keys_low, keys_high = split_keys(call.plans[0], q.shape[1] // 2)
-    # a masked own block stays whole (`split_keys`): it then runs after the remote steps, while their last
-    # dk/dv messages go home, rather than first, where nothing would hide those
-    own_last = not keys_low
+    # the own block's part run first and its part run last; a masked own block stays whole (`split_keys`)
+    # and runs last, while the remote steps' last dk/dv messages go home, where nothing would hide those
+    own_first, own_last = (keys_high, keys_low) if keys_low else ([], keys_high)
     moves = kv_transport(call, k, v)
     pieces = Pieces.of(call, q, k, v)
     returns = dkv_return(call, k, v, pieces.split, piece_size(q.shape[1], DKV_PIECES))
     try:
         for s, kv in moves.blocks("backward"):
             if s == 0:
-                if not own_last:
-                    add(keys_high, (k, v), dq, dk, dv)
+                add(own_first, (k, v), dq, dk, dv)
                 continue
             # rank (rank + s) mod W attends to our K/V at its step s: its calls say what comes back, piece
             # by piece as ours go (both ends cut the same plan the same way, so messages pair in order)
@@ -121,7 +120,7 @@ def ring_backward(call: RingCall, g: GradInputs, k: torch.Tensor, v: torch.Tenso
                 del sent  # the return holds what was sent until it settles
             if pieces.dq_apart:  # the last piece's messages travel meanwhile
                 add(call.plans[s], kv, dq, None, None)
-        add(keys_high if own_last else keys_low, (k, v), dq, dk, dv)
+        add(own_last, (k, v), dq, dk, dv)
         returns.settle(dk, dv)
         returns.finish()
     except BaseException:
