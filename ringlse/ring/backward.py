@@ -96,8 +96,10 @@ def ring_backward(call: RingCall, g: GradInputs, k: torch.Tensor, v: torch.Tenso
         return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
     keys_low, keys_high = split_keys(call.plans[0], q.shape[1] // 2)
     # the own block's part run first and its part run last; a masked own block stays whole (`split_keys`)
-    # and runs last, while the remote steps' last dk/dv messages go home, where nothing would hide those
-    own_first, own_last = (keys_high, keys_low) if keys_low else ([], keys_high)
+    # and, where this rank sends dk/dv home, runs last, while those messages travel (run first, nothing
+    # hid the last ones); a rank that sends none runs it first, while the host walks the empty steps
+    sends = any(call.plans[1:])
+    own_first, own_last = (keys_high, keys_low) if keys_low or not sends else ([], keys_high)
     moves = kv_transport(call, k, v)
     pieces = Pieces.of(call, q, k, v)
     returns = dkv_return(call, k, v, pieces.split, piece_size(q.shape[1], DKV_PIECES))
