@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ringlse.kernels.attention_common import LOG2E, cap_scales, key_tile_query_range, softcap_mode, tanh_f32
 from ringlse.kernels.attention_fwd_hopper import interval_walk, smem_layout, tma_rows_apply
-from ringlse.kernels.hopper_ops import pass_turn, scale_smem, tma_add, tma_add_from_smem, wait_turn
+from ringlse.kernels.hopper_ops import opaque_zero, pass_turn, scale_smem, tma_add, tma_add_from_smem, wait_turn
 from ringlse.kernels.host import cdiv, rows_view, tma_indexable
 from ringlse.kernels.launch import TmaDesc, launch
 
@@ -242,6 +242,12 @@ def _dkdv_step(it, start_m, masked, dk, dv, ops,
     offs_m = start_m + offs_m0
     s = it % STAGES_
     ph = (it // STAGES_) & 1
+    if SOFTCAP:
+        # K's and V's MMA operand descriptors made anew each step: hoisted out of the walk, a capped
+        # kernel ran out of uniform registers and reloaded spilled descriptors before each step's MMAs
+        # (causal: 24 local loads per step, now 10; kernel x0.90, gradients bitwise the same; H200)
+        fresh = opaque_zero(it)
+        k_rows, v_rows = k_smem.index(WG + fresh), v_smem.index(WG + fresh)
     q_buf = q_smem.index(s)
     do_buf = do_smem.index(s)
     if not ROW_TMA:

@@ -1,7 +1,7 @@
-"""Gluon operations the Hopper kernels share: a tile in shared memory scaled in place, and what Triton 3.6
-does not wrap for sm_90: TMA reduce-adds (from registers or from shared memory) and the turns that put the adds of different programs to the same tile
-in a fixed order (an int32 in global memory that each program waits to reach, then raises), which keeps
-float32 sums bitwise reproducible.
+"""Gluon operations the Hopper kernels share: a tile in shared memory scaled in place, an opaque zero, and
+what Triton 3.6 does not wrap for sm_90: TMA reduce-adds (from registers or from shared memory) and the
+turns that put the adds of different programs to the same tile in a fixed order (an int32 in global
+memory that each program waits to reach, then raises), which keeps float32 sums bitwise reproducible.
 
 A turn waits only on programs started earlier: blocks start in grid order, so a program may wait on a
 lower block index, never on a higher one (a program waiting on one that cannot start would hang).
@@ -54,6 +54,14 @@ def pass_turn(sem_ptr, turn):
         "{ .reg .pred p; .reg .b32 l; cp.async.bulk.wait_group 0; bar.warp.sync -1; mov.u32 l, %laneid; "
         "setp.eq.u32 p, l, 0; @p red.release.gpu.global.max.s32 [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r", [sem_ptr, turn], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def opaque_zero(x):
+    """An int32 0 that the compilers cannot see through (one move per call, `x` only orders it): an index
+    plus it keeps a loop-invariant shared-memory descriptor from being hoisted out of the loop, so that it
+    is rebuilt where it is used instead of held, or spilled, across the loop."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
