@@ -224,7 +224,7 @@ def _dkdv_step(it, start_m, masked, dk, dv, ops,
     """One query tile of `_dkdv_consume`'s walk (step `it`, queries from `start_m`; `ops` what every step
     reads): returns `(dk, dv)`. MASKED: the tile may be cut by the causal boundary (CAUSAL) or the keys'
     query intervals, and is where `masked` holds."""
-    st_zero, smem, bars, k_rows, v_rows, rows_in, mask_in, scales = ops
+    st_zero, smem, bars, rows_in, mask_in, scales = ops
     q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
     kv_ready, q_ready, q_empty, do_ready, do_empty, ds_ready, ds_empty, dq_full, dq_empty = bars
     lse_base, delta_base, stride_ls, SQ = rows_in
@@ -242,12 +242,13 @@ def _dkdv_step(it, start_m, masked, dk, dv, ops,
     offs_m = start_m + offs_m0
     s = it % STAGES_
     ph = (it // STAGES_) & 1
+    kv_slot = WG
     if SOFTCAP:
         # K's and V's MMA operand descriptors made anew each step: hoisted out of the walk, a capped
         # kernel ran out of uniform registers and reloaded spilled descriptors before each step's MMAs
         # (causal: 24 local loads per step, now 10; kernel x0.90, gradients bitwise the same; H200)
-        fresh = opaque_zero(it)
-        k_rows, v_rows = k_smem.index(WG + fresh), v_smem.index(WG + fresh)
+        kv_slot = WG + opaque_zero(it)
+    k_rows, v_rows = k_smem.index(kv_slot), v_smem.index(kv_slot)
     q_buf = q_smem.index(s)
     do_buf = do_smem.index(s)
     if not ROW_TMA:
@@ -366,8 +367,6 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
 
     off_b, off_hk, g_lo, n_g, n0, m_lo, full_lo, full_hi, n_steps = _key_tile(walk, BM, BN, CAUSAL, INTERVALS,
                                                                                FUSED)
-    k_rows = k_smem.index(WG)
-    v_rows = v_smem.index(WG)
     offs_n = n0 + WG * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, st_layout))
     if INTERVALS:
         # the queries that see each of this warpgroup's keys (keys past SK: none)
@@ -383,7 +382,7 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
         # K scaled by scale / softcap (`scale_smem`): S^T comes out as tanh's argument; the dQ of the fused
         # path, which reads the scaled K, is scaled back by `hopper_dkdv`
         into_tanh, cap_scale = cap_scales(qk_scale, softcap)
-        scale_smem(k_rows, into_tanh)
+        scale_smem(k_smem.index(WG), into_tanh)
     it = 0
     if not INTERVALS:
         col_lo, col_hi = offs_n, offs_n  # (unused)
@@ -405,7 +404,7 @@ def _dkdv_consume(smem, bars, Lse, Delta, DK, DV, strides, walk, qk_scale, dk_sc
         off_h = off_hk * GROUP + g_lo + gg
         rows_in = (Lse + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh,
                    Delta + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh, stride_ls, SQ)
-        ops = (st_zero, smem, bars, k_rows, v_rows, rows_in, mask_in, scales)
+        ops = (st_zero, smem, bars, rows_in, mask_in, scales)
         if SPLIT:
             for i in range(n_head):
                 dk, dv = _dkdv_step(it, m_lo + i * BM, True, dk, dv, ops, WG, HEAD_D, CAUSAL, ROW_TMA, FUSED,
