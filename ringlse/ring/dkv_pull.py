@@ -188,10 +188,13 @@ class PulledMessages:
         once it is ready; returns the buffer and the event of its arrival (the current stream waits for it
         before reading the buffer)."""
         slot = piece % SLOTS
-        buf = self.pack.rows(rows).empty(self.dtype, self.ws.buf.device)
-        self.recv_stream.wait_stream(current_stream())  # the buffer is allocated there
+        reader = current_stream()
         self._await(self.recv_stream, src, _READY + slot)
         with torch.cuda.stream(self.recv_stream):
+            # allocated on the pull's own stream, which so never waits for our compute stream: waiting
+            # for it held the sender's slot until our queued kernels were done, and the sender with it
+            buf = self.pack.rows(rows).empty(self.dtype, self.ws.buf.device)
+            buf.record_stream(reader)
             buf.copy_(self._view(src, slot, rows))
             arrived = torch.cuda.Event()
             arrived.record(self.recv_stream)
