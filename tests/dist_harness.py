@@ -1,4 +1,4 @@
-"""Spawn W gloo ranks with a file rendezvous (no ports) and a hard deadline, so a deadlock fails the
+"""Start W gloo ranks with a file rendezvous (no ports) and a hard deadline, so a deadlock fails the
 test instead of hanging CI.
 
 `run_ranks` spawns the ranks for one function; `RankPool` keeps W ranks (and their process group)
@@ -62,10 +62,9 @@ def _take_env(env: dict[str, str]) -> None:
 
 
 def _entry(fn: Callable, rank: int, world: int, rdzv: str, results, args: tuple, backend: str,
-           pg_timeout: float = 120.0, hard_exit: bool = False, env: dict[str, str] | None = None) -> None:
+           env: dict[str, str], pg_timeout: float = 120.0, hard_exit: bool = False) -> None:
     try:
-        if env is not None:
-            _take_env(env)
+        _take_env(env)
         _init(rank, world, rdzv, backend, pg_timeout)
         results.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:  # report everything, including assertion failures, to the parent
@@ -125,7 +124,7 @@ def run_ranks(fn: Callable, world: int, tmp_path: Path, *args, timeout: float = 
     results = ctx.Queue()
     rdzv = _rdzv(tmp_path, world, fn)
     env = dict(os.environ)
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, rdzv, results, args, backend, pg_timeout, hard_exit, env),
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, rdzv, results, args, backend, env, pg_timeout, hard_exit),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -163,7 +162,7 @@ def _pool_entry(rank: int, world: int, rdzv: str, tasks, results, pg_timeout: fl
 
 
 class RankPool:
-    """`world` spawned gloo ranks that stay up between calls: `pool.run(fn, *args)` runs
+    """`world` gloo ranks that stay up between calls: `pool.run(fn, *args)` runs
     `fn(rank, world, *args)` on every rank, in the same process group each time, and returns the
     per-rank results (AssertionError as `run_ranks` when a rank fails or they do not finish). A run
     that times out leaves the pool unusable (later runs fail at once). `env` is set in each rank
