@@ -710,8 +710,7 @@ def hopper_forward(
     if config is None:
         config = (INTERVAL_CONFIGS[d] if intervals else CAPPED_CAUSAL_128 if softcap and causal and d == 128
                   else table[(d, causal)])
-    cfg = config
-    block_m, block_n, persistent = cfg.block_m, BLOCK_N, cfg.persistent
+    block_m, block_n, persistent = config.block_m, BLOCK_N, config.persistent
     # O through TMA (non-merging 128-row tiles): 1.01-1.09x on H200 (masks, dense d 128); the 192-row (d 64)
     # tiles lost with it, 0.92-0.96x at S 8K (88 B of spills persistent)
     # (O is staged in Q's shared memory: only where they have one head dim; the state buffer does not fit
