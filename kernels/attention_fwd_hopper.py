@@ -657,9 +657,9 @@ MERGE_PERSISTENT_KEYS = 16384
 # per tile (H200); 128 rows (192 at d 64 spills ~220 B with the bounds in
 # registers: ptxas)
 INTERVAL_CONFIGS = {64: HopperConfig(128, True), 128: HopperConfig(128, True), 192: HopperConfig(128, False)}
-# capped causal blocks at head dim 128: persistent programs taking tiles from a counter, 1.053-1.088x the
-# uncapped forward's time against 1.080-1.120x one program per tile (bf16, softcap 30, S 8K-32K, H200)
-CAPPED_CAUSAL_128 = HopperConfig(128, True)
+# capped blocks: causal ones at head dim 128 on persistent programs taking tiles from a counter, 1.053-1.088x
+# the uncapped forward's time against 1.080-1.120x one program per tile (bf16, softcap 30, S 8K-32K, H200)
+CAPPED_CONFIGS = {**CONFIGS, (128, True): HopperConfig(128, True)}
 
 
 @functools.cache
@@ -706,10 +706,9 @@ def hopper_forward(
     b, sq, h, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     intervals = key_lo is not None
-    table = MERGE_CONFIGS if accum and sk <= MERGE_PERSISTENT_KEYS else CONFIGS
+    table = MERGE_CONFIGS if accum and sk <= MERGE_PERSISTENT_KEYS else CAPPED_CONFIGS if softcap else CONFIGS
     if config is None:
-        config = (INTERVAL_CONFIGS[d] if intervals else CAPPED_CAUSAL_128 if softcap and causal and d == 128
-                  else table[(d, causal)])
+        config = INTERVAL_CONFIGS[d] if intervals else table[(d, causal)]
     block_m, block_n, persistent = config.block_m, BLOCK_N, config.persistent
     # O through TMA (non-merging 128-row tiles): 1.01-1.09x on H200 (masks, dense d 128); the 192-row (d 64)
     # tiles lost with it, 0.92-0.96x at S 8K (88 B of spills persistent)

@@ -1,9 +1,9 @@
 """Start W gloo ranks with a file rendezvous (no ports) and a hard deadline, so a deadlock fails the
 test instead of hanging CI.
 
-`run_ranks` spawns the ranks for one function; `RankPool` keeps W ranks (and their process group)
+`run_ranks` starts the ranks for one function; `RankPool` keeps W ranks (and their process group)
 alive between calls, for tests that run many small cases (hypothesis examples, thousands of ring
-calls) without paying for a spawn each. Fault tests let ranks die (`may_exit`) and leave with
+calls) without paying for a start each. Fault tests let ranks die (`may_exit`) and leave with
 `hard_exit`: a rank whose peers died or stalled may otherwise block in `destroy_process_group` until
 its gloo threads give up (the group's timeout)."""
 
