@@ -525,6 +525,9 @@ def headline_softcap_dv(path: Path, d: dict) -> list[list[str]]:
     seqs = "/".join(_k(s) for s in sorted({r["seqlen"] for r in rows}))
     fa4 = span('softcap', 'fa4_fwd_softcap_time_ratio')
     fa4_cap = f" (FA4's own fwd {fa4})" if fa4 != "–" else ""
+    if any("ours_fwd_softcap_cycle_ratio" in r for r in rows):  # timed each at its own clock (CONVENTIONS.md §8)
+        fa4_cap += (f"; both at one clock (launches interleaved): fwd {span('softcap', 'ours_fwd_softcap_cycle_ratio')}, "
+                    f"fwd+bwd {span('softcap', 'ours_fwd_bwd_softcap_cycle_ratio')}")
     return [[f"model coverage, `triton`, one {d['gpu'].replace('NVIDIA ', '')}, bf16, S {seqs}, causal and not: time with "
              "the feature / without (bars: softcap ≤ 1.10×, sinks ≤ 1.02×), and Q/K 192 / V 128 vs FlashAttention-4 "
              "(bar: forward ≥ 0.9×)",
