@@ -622,13 +622,20 @@ def sink_rows() -> list[dict]:
     return rows
 
 
+def _steady_ms(fns: dict, **kw) -> dict[str, float]:
+    """`name -> ms` of each `fn(0)` in its own steady state: the mean of its `timing.abba_ms` readings."""
+    from timing import abba_ms
+
+    return {k: sum(v) / len(v) for k, v in abba_ms({k: (lambda f=f: f(0)) for k, f in fns.items()}, **kw).items()}
+
+
 def coverage_rows(softcap: float) -> list[dict]:
     """The model-coverage speed bars: (1) our time with `softcap` over our time without (d 128; bar <= 1.10x, fwd
     and fwd+bwd; each in its own steady state, `timing.abba_ms`, since the two draw different power per
     cycle; the ratio with launches interleaved, `timing.interleaved_ms`, both at one clock, beside it), FA4's
     alongside; (2) d_qk 192 / d_v 128 against FA4 (forward bar >= 0.9x its TFLOP/s; different kernels:
     `timing.abba_ms`)."""
-    from timing import abba_ms, interleaved_ms
+    from timing import interleaved_ms
 
     rows = []
     for (b, h, s) in COVERAGE_SHAPES:
@@ -646,8 +653,7 @@ def coverage_rows(softcap: float) -> list[dict]:
                     # the capped kernel draws less power per cycle, so under the power cap it holds a higher
                     # clock: each side is timed in its own steady state (abba); interleaved launches put both
                     # at one clock, so their ratio is one of cycles (kept beside it)
-                    ms = {k: sum(v) / len(v) for k, v in abba_ms({k: (lambda f=f: f(0)) for k, f in sides.items()},
-                                                                  preheat_s=3.0).items()}
+                    ms = _steady_ms(sides, preheat_s=3.0)
                     row[f"{impl}_{part}_ms_softcap0"], row[f"{impl}_{part}_ms"] = ms["off"], ms["on"]
                     row[f"{impl}_{part}_softcap_time_ratio"] = ms["on"] / ms["off"]
                     ms = interleaved_ms(sides)
@@ -660,8 +666,7 @@ def coverage_rows(softcap: float) -> list[dict]:
             del off, on
             fl_f, fl_b = coverage_flops(b, h, s, 192, 128, causal)
             fns = _coverage_fns(b, h, s, 192, 128, causal, 0.0)
-            ms = {k: sum(v) / len(v) for k, v in abba_ms({k: (lambda f=f: f(0)) for k, f in fns.items()},
-                                                          warmup_ms=500, preheat_s=2.0).items()}
+            ms = _steady_ms(fns, warmup_ms=500, preheat_s=2.0)
             row = dict(kind="d_v", batch=b, heads=h, seqlen=s, head_dim=192, d_v=128, causal=causal,
                        dtype="bfloat16", softcap=0.0, fwd_flop=fl_f, fwd_bwd_flop=fl_f + fl_b)
             for name, t in ms.items():

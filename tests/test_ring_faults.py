@@ -72,14 +72,13 @@ def test_survivors_raise_naming_step_and_peer_in_time(name, tmp_path):
         again = got["again"]
         assert again is not None and again["type"] == "RuntimeError", f"{name}: rank {rank}: second call {again}"
         assert "earlier call on this process group failed" in again["message"] and again["elapsed"] < 1.0
-    victim = f"rank {VICTIM}"
     if action == "exit":
         # every survivor names the dead rank; one that reached its exchange after another survivor had
         # raised and left names that survivor too ("ranks 0, 1"), which is as true
         ranks = [set(int(x) for x in n.split(" ", 1)[1].split(", ")) for n in named]
         assert all(VICTIM in r for r in ranks), f"{name}: survivors named {named}"
     else:  # a survivor may time out waiting for another survivor that waits for the stalled rank
-        assert victim in named, f"{name}: no survivor named the stalled rank: {named}"
+        assert f"rank {VICTIM}" in named, f"{name}: no survivor named the stalled rank: {named}"
 
 
 # --- bad input ---------------------------------------------------------------------------------------------------
