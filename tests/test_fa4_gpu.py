@@ -10,7 +10,8 @@ import torch
 import ringlse
 import ringlse.blocks as registry
 from fa4_checks import _block, _qkv, check_against_reference, judge_merged_block
-from ringlse.blocks.fa4 import FA4_BLOCK_OP, fa4_mask_args
+from ringlse.blocks.fa4 import FA4_BLOCK_OP, _interface, _replayed, fa4_mask_args
+from ringlse.blocks.fa4_replay import _Plan
 from ringlse.reference import reference_attention
 from ringlse.testing import assert_judged, naive_attention
 
@@ -152,11 +153,15 @@ def test_fa4_gpu_softcap_and_v_head_dim(case):
     """`softcap` and Q/K 192 / V 128 go to FA4 natively: out, lse and gradients (with an lse gradient, the
     ring's use) of a bf16 causal block at offsets, judged by CONVENTIONS.md §7 against the float64 oracle of
     tests/test_kernels_softcap_dv.py (its bf16 run is the baseline)."""
+    _check_softcap_dv(case, seed=sum(case[:2]))
+
+
+def _check_softcap_dv(case, seed: int) -> None:
     from test_kernels_softcap_dv import _draw, _judge, causal_mask, oracle
 
     d, dv, softcap, q_start, k_start = case
     sq, sk, h, hkv = 1000, 1031, 4, 2
-    q, k, v, dout = _draw(1, sq, sk, h, hkv, d, dv, torch.bfloat16, "cuda", seed=sum(case[:2]))
+    q, k, v, dout = _draw(1, sq, sk, h, hkv, d, dv, torch.bfloat16, "cuda", seed=seed)
     dlse = torch.randn(1, h, sq, generator=torch.Generator().manual_seed(5), dtype=torch.float64).cuda()
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out, lse = ringlse.block_attention(*leaves, causal=True, q_start=q_start, k_start=k_start, softcap=softcap,
@@ -168,3 +173,36 @@ def test_fa4_gpu_softcap_and_v_head_dim(case):
     ref, base = oracle(q, k, v, dout, **kw), oracle(q, k, v, dout, dtype=torch.bfloat16, **kw)
     assert out.shape == (1, sq, h, dv)
     _judge(ours, ref, base, torch.bfloat16)
+
+
+def _plans(entry) -> list:
+    return [p for p in entry.plans.values() if isinstance(p, _Plan)]
+
+
+@gpu_fa4
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[8]])
+def test_fa4_gpu_replayed_calls(case):
+    """From a signature's third call on, FA4's calls are replayed from a recorded plan (`fa4_replay`):
+    four calls with fresh inputs, each judged against the float64 reference as above, and the replayed
+    forward bit for bit FA4's own."""
+    b, sq, sk, h, hkv, d, causal, q_start, k_start = case
+    fwd, bwd = _replayed(_interface())
+    for seed in range(4):
+        check_against_reference(_block("fa4", causal, q_start, k_start), b, sq, sk, h, hkv, d, torch.bfloat16, "cuda",
+                                lse_grad=seed % 2 == 0, seed=seed, causal=causal, q_start=q_start, k_start=k_start)
+    assert _plans(fwd) and _plans(bwd)
+    q, k, v = _qkv(b, sq, sk, h, hkv, d, torch.bfloat16, "cuda", torch.Generator().manual_seed(9))
+    for _ in range(3):
+        ours = fwd(q, k, v, softmax_scale=0.1, causal=causal, return_lse=True)
+        own = _interface()._flash_attn_fwd(q, k, v, softmax_scale=0.1, causal=causal, return_lse=True)
+        assert torch.equal(ours[0], own[0]) and torch.equal(ours[1], own[1])
+
+
+@gpu_fa4
+@pytest.mark.parametrize("case", [FEATURE_CASES[1], FEATURE_CASES[4]])
+def test_fa4_gpu_replayed_softcap_and_v_head_dim(case):
+    """The softcap and Q/K 192 / V 128 calls replayed: three calls of `test_fa4_gpu_softcap_and_v_head_dim`."""
+    for seed in range(3):
+        _check_softcap_dv(case, seed=seed)
+    fwd, bwd = _replayed(_interface())
+    assert _plans(fwd) and _plans(bwd)
