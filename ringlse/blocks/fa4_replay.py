@@ -282,8 +282,7 @@ class Replayed:
             allocs[j] = _Alloc(tuple(t.shape), t.stride(), t.dtype, t.device, zeroed)
         return result, _Plan(allocs, calls, tree)
 
-    @staticmethod
-    def _replay(plan: _Plan, inputs: list[torch.Tensor]):
+    def _replay(self, plan: _Plan, inputs: list[torch.Tensor]):
         new = []
         for a in plan.allocs:
             t = torch.empty_strided(a.size, a.stride, dtype=a.dtype, device=a.device)
