@@ -212,10 +212,16 @@ def test_arguments_it_cannot_key_take_the_functions_path():
     torch.testing.assert_close(out, fake_fwd(q, k, v, softmax_scale=0.3)[0], rtol=0, atol=0)
 
 
+def _compiled(cache, key, kernel) -> None:
+    """A first call's compile, as FA4 does it (`in`, then item assignment)."""
+    if key not in cache:
+        cache[key] = kernel
+
+
 def _reads_a_value(x):
     acc = torch.zeros(x.shape, dtype=F64)
     scale = float(x.abs().max())  # a value to the host: a plan would keep the first call's
-    fake_bwd.compile_cache.setdefault("acc", _accumulate)
+    _compiled(fake_bwd.compile_cache, "acc", _accumulate)
     fake_bwd.compile_cache["acc"](acc, x, weight=1 / scale)
     return acc
 
@@ -223,7 +229,7 @@ def _reads_a_value(x):
 def _adds_in_place(x):
     acc = torch.zeros(x.shape, dtype=F64)
     acc += 1.0
-    fake_bwd.compile_cache.setdefault("acc", _accumulate)
+    _compiled(fake_bwd.compile_cache, "acc", _accumulate)
     fake_bwd.compile_cache["acc"](acc, x, weight=1.0)
     return acc
 
@@ -231,7 +237,7 @@ def _adds_in_place(x):
 def _aten_in_place(x):
     acc = torch.empty(x.shape, dtype=F64)
     torch.ops.aten.fill_.Scalar(acc, 1.0)
-    fake_bwd.compile_cache.setdefault("acc", _accumulate)
+    _compiled(fake_bwd.compile_cache, "acc", _accumulate)
     fake_bwd.compile_cache["acc"](acc, x, weight=1.0)
     return acc
 
@@ -244,3 +250,29 @@ def test_values_read_to_the_host_and_other_writes_keep_the_functions_path(fn, wa
         x = torch.randn(5, 33, generator=torch.Generator().manual_seed(seed), dtype=F64)
         torch.testing.assert_close(rep(x), want(x), rtol=1e-15, atol=1e-15)
     assert list(rep.plans.values()) == [None]
+
+
+def _through_get(x):
+    y = torch.empty_like(x)
+    _compiled(fake_post.compile_cache, "conv", _convert)
+    fake_post.compile_cache.get("conv")(x, y)
+    return y
+
+
+def _through_values(x):
+    y = torch.empty_like(x)
+    _compiled(fake_post.compile_cache, "conv", _convert)
+    next(iter(fake_post.compile_cache.values()))(x, y)  # a kernel reached past the cache's lookups
+    return y
+
+
+@pytest.mark.parametrize("fn,replays", [(_through_get, True), (_through_values, False)], ids=["get", "values"])
+def test_kernels_reached_past_the_lookups_keep_the_functions_path(fn, replays):
+    """`cache.get(key)` is logged like `cache[key]`; any other way into the cache leaves no plan (its kernel
+    would not be replayed, and its output would stay unwritten)."""
+    rep = Replayed(fn, [fake_post])
+    for seed in range(4):
+        x = torch.randn(3, 5, generator=torch.Generator().manual_seed(seed), dtype=F64)
+        torch.testing.assert_close(rep(x), x, rtol=0, atol=0)
+    (plan,) = rep.plans.values()
+    assert (plan is not None) == replays

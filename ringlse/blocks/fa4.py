@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
@@ -129,7 +131,11 @@ def _entry_points() -> tuple[Callable, Callable]:
 def _replayed(iface) -> tuple[Callable, Callable]:
     if _version() not in REPLAYED_RELEASES:
         return iface._flash_attn_fwd, iface._flash_attn_bwd
-    caches = [f for f in vars(iface).values() if callable(f) and hasattr(f, "compile_cache")]
+    # every FA4 function with a compile cache (the interface's, and the kernels' modules': block sparsity's)
+    modules = [m for name, m in list(sys.modules.items())
+               if name.startswith("flash_attn.cute") and isinstance(m, types.ModuleType)]
+    caches = list({id(f): f for m in [iface, *modules] for f in vars(m).values()
+                   if isinstance(f, types.FunctionType) and "compile_cache" in vars(f)}.values())
     return Replayed(iface._flash_attn_fwd, caches), Replayed(iface._flash_attn_bwd, caches)
 
 

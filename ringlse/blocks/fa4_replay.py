@@ -80,13 +80,16 @@ class _Recorder(TorchFunctionMode):
 
 class _Spy:
     """A stand-in for a `compile_cache` while recording: hands out its compiled functions wrapped so that
-    each call is logged (and run with torch functions undisturbed by the recorder)."""
+    each call is logged (and run with torch functions undisturbed by the recorder). Any other use of the
+    cache than `in`, `[key]`, `get` and storing (`used_otherwise`) keeps the call from becoming a plan: a
+    kernel reached another way would not be logged."""
 
     def __init__(self, cache, log: list):
         self._cache, self._log = cache, log
+        self.used_otherwise: str | None = None
 
-    def __getitem__(self, key):
-        fn, log = self._cache[key], self._log
+    def _logged(self, fn):
+        log = self._log
 
         def logged(*args, **kwargs):
             log.append((fn, args, kwargs))
@@ -95,6 +98,12 @@ class _Spy:
 
         return logged
 
+    def __getitem__(self, key):
+        return self._logged(self._cache[key])
+
+    def get(self, key, default=None):
+        return self._logged(self._cache[key]) if key in self._cache else default
+
     def __contains__(self, key) -> bool:
         return key in self._cache
 
@@ -102,6 +111,7 @@ class _Spy:
         self._cache[key] = value
 
     def __getattr__(self, name):
+        self.used_otherwise = self.used_otherwise or name
         return getattr(self._cache, name)
 
 
@@ -244,16 +254,17 @@ class Replayed:
     def _record(self, args, kwargs, inputs: list[torch.Tensor]):
         log: list = []
         saved = [(f, f.compile_cache) for f in self.caches]
+        spies = [_Spy(cache, log) for _, cache in saved]
         recorder = _Recorder()
         try:
-            for f, cache in saved:
-                f.compile_cache = _Spy(cache, log)
+            for (f, _), spy in zip(saved, spies):
+                f.compile_cache = spy
             with recorder:
                 result = self.fn(*args, **kwargs)
         finally:
             for f, cache in saved:
                 f.compile_cache = cache
-        if recorder.refused is not None or not log:
+        if recorder.refused is not None or not log or any(spy.used_otherwise for spy in spies):
             return result, None
         bases = [("in", i, t) for i, t in enumerate(inputs)]
         bases += [("new", i, t) for i, (t, _) in enumerate(recorder.allocs)]
