@@ -33,6 +33,7 @@ What this module adds, on the shared driver of `ringlse.blocks.fused`:
   72, 80, 104 (mod 32 in {8, 16}; H200 and H100, 4.0.0b36; `VERIFIED_HEAD_DIMS`, and Q/K 192 with V 128
   in `VERIFIED_HEAD_DIM_PAIRS`);
 - logit softcapping and a V head dim of its own passed to FA4 (`softcap=`).
+- FA4's calls replayed past its Python wrapper once a call's signature repeats (`fa4_replay`).
 
 Windows and documents: the op takes windows as a rule (`takes_window`: `window_size=` with causal and
 the offsets, mapped to FA4's native bounds by `fa4_mask_args`), not per-row intervals (tensors: reading

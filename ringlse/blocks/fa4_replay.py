@@ -9,7 +9,8 @@ each), `fa4`, forward 5.55 -> 4.23 ms, forward+backward 13.9 -> 12.9 ms.
 How: the second call with a signature (every tensor's shape, strides, dtype, device, alignment and
 `requires_grad`, which tensors share memory, the other arguments' values, grad mode; the first call may
 compile, so it is not recorded) runs FA4's own function while recording
-- each compiled kernel it calls, through the interface's `compile_cache`s, with its arguments, and
+- each compiled kernel it calls through FA4's `compile_cache`s, with its arguments (any other use of a
+  cache leaves no plan), and
 - every torch operation it runs (a `TorchFunctionMode`).
 Where no operation writes into a tensor (in place, `out=`, item assignment) or reads one's values to the
 host, and every tensor that a kernel or the result gets is an input, an `empty*`/`zeros*` allocation, or
