@@ -276,3 +276,26 @@ def test_kernels_reached_past_the_lookups_keep_the_functions_path(fn, replays):
         torch.testing.assert_close(rep(x), x, rtol=0, atol=0)
     (plan,) = rep.plans.values()
     assert (plan is not None) == replays
+
+
+def _asks_the_size(x):
+    y = torch.empty_like(x)
+    _compiled(fake_post.compile_cache, "conv", _convert)
+    assert len(fake_post.compile_cache) >= 1  # the spy takes no len(): a TypeError while recorded
+    fake_post.compile_cache["conv"](x, y)
+    return y
+
+
+def test_a_call_that_fails_only_while_recorded_runs_again_unrecorded():
+    """The recorder must not change what the function does: a call that raises under the spies is run again
+    on its own and returns its result (no plan); the function's own errors still reach the caller."""
+    rep = Replayed(_asks_the_size, [fake_post])
+    for seed in range(4):
+        x = torch.randn(3, 5, generator=torch.Generator().manual_seed(seed), dtype=F64)
+        torch.testing.assert_close(rep(x), x, rtol=0, atol=0)
+    assert list(rep.plans.values()) == [None]
+    rep = Replayed(fake_fwd, [fake_fwd])
+    q, k, v = _qkv()
+    for _ in range(3):
+        with pytest.raises(AssertionError):
+            rep(q, k[..., :4], v)  # head dims that differ: fake_fwd's own check

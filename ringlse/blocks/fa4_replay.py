@@ -253,18 +253,26 @@ class Replayed:
         self.plans[sig] = value
 
     def _record(self, args, kwargs, inputs: list[torch.Tensor]):
+        """FA4's own call, recorded: `(result, plan or None)`. A call that raises while recorded runs again
+        unrecorded, so that the recorder and the spies never change what FA4 does (its own error, if it
+        has one, is the one raised)."""
         log: list = []
         saved = [(f, f.compile_cache) for f in self.caches]
         spies = [_Spy(cache, log) for _, cache in saved]
         recorder = _Recorder()
+        failed = False
         try:
             for (f, _), spy in zip(saved, spies):
                 f.compile_cache = spy
             with recorder:
                 result = self.fn(*args, **kwargs)
+        except Exception:
+            failed = True
         finally:
             for f, cache in saved:
                 f.compile_cache = cache
+        if failed:
+            return self.fn(*args, **kwargs), None
         if recorder.refused is not None or not log or any(spy.used_otherwise for spy in spies):
             return result, None
         bases = [("in", i, t) for i, t in enumerate(inputs)]
