@@ -198,6 +198,36 @@ def test_wait_names_step_and_peer_and_marks_the_group_failed():
     assert nccl_style.timeouts == [None] and comm.failed is None
 
 
+def test_a_batch_that_cannot_be_posted_names_phase_step_and_peers(monkeypatch):
+    """gloo raises at once when a peer is gone as a batch is posted, before any wait: that too is the
+    RuntimeError of docs/failures.md, naming the phase, the step and the batch's peers (a survivor of a
+    rank that exited had raised gloo's own "Connection reset by peer" from the post), and the comm refuses
+    further calls."""
+    import torch.distributed as dist
+
+    from ringlse.ring.comm import RingComm
+
+    comm = RingComm(None)
+    comm.rank, comm.world, comm.global_ranks = 1, 3, [5, 6, 7]
+    comm.next, comm.prev, comm._group_ref = 7, 5, None
+
+    def reset(ops):
+        raise RuntimeError("Read error [127.0.0.1]:60811: Connection reset by peer")
+
+    monkeypatch.setattr(dist, "P2POp", lambda *op: op)  # (its checks need an initialised group)
+    monkeypatch.setattr(dist, "batch_isend_irecv", reset)
+    t = torch.zeros(3)
+    with pytest.raises(RuntimeError, match=r"^ring_attention: forward step 2: waiting for ranks 0, 2 \(global 5, 7\): "
+                       r"Read error .*Connection reset by peer$") as e:
+        comm.exchange(t, torch.empty(3), step=2, phase="forward")
+    assert FAULT_RE.match(str(e.value)) and isinstance(e.value.__cause__, RuntimeError)
+    with pytest.raises(RuntimeError, match="earlier call on this process group failed.*forward step 2"):
+        comm.check_usable()
+    comm.failed = None
+    with pytest.raises(RuntimeError, match=r"^ring_attention: backward step 1: waiting for rank 2 \(global 7\): "):
+        comm.send_recv([t], 2, [], 0, step=1, phase="backward")
+
+
 @pytest.mark.parametrize("timeout", [0, -1, float("inf"), 1e300, "1s", True])
 def test_timeout_must_be_positive(timeout):
     q = torch.randn(1, 4, 2, 8)

@@ -139,9 +139,9 @@ class RingComm:
         return self._stream
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0,
-                 ready: torch.cuda.Event | None = None, step: int = 0) -> list[Pending]:
-        """Post `send` -> rank+1 and `recv` <- rank-1 for ring step `step`; returns the transfers to
-        `wait` on.
+                 ready: torch.cuda.Event | None = None, step: int = 0, phase: str = "transfer") -> list[Pending]:
+        """Post `send` -> rank+1 and `recv` <- rank-1 for ring step `step` of `phase` (forward,
+        backward: what a failure to post names); returns the transfers to `wait` on.
 
         NCCL starts a transfer once everything queued so far on the current stream is done. With
         `ready` (an event recorded when `send` was written) it is posted from a side stream and waits
@@ -153,30 +153,38 @@ class RingComm:
             dist.P2POp(dist.isend, send, self.next, self.group, tag),
             dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
         ]
-        return self._pending(self._post(ops, ready), [(self.rank + 1) % self.world, (self.rank - 1) % self.world],
-                             step)
+        peers = [(self.rank + 1) % self.world, (self.rank - 1) % self.world]
+        return self._pending(self._post(ops, ready, phase, step, peers), peers, step)
 
     def send_recv(self, sends: Sequence[torch.Tensor], dst: int, recvs: Sequence[torch.Tensor], src: int,
-                  tag: int = 0, step: int = 0, ready: torch.cuda.Event | None = None) -> list[Pending]:
+                  tag: int = 0, step: int = 0, ready: torch.cuda.Event | None = None,
+                  phase: str = "transfer") -> list[Pending]:
         """Post `sends` -> group rank `dst` and `recvs` <- group rank `src` (in order, as one batch) for
-        ring step `step`; returns the transfers to `wait` on. Every pair of ranks must post matching
+        ring step `step` of `phase`; returns the transfers to `wait` on. Every pair of ranks must post matching
         batches in the same order (NCCL matches point-to-point messages by order, not by tag).
         `ready`: as in `exchange`, an event the batch waits for instead of the whole current stream."""
         ops = [dist.P2POp(dist.isend, t, self.global_ranks[dst], self.group, tag) for t in sends]
         ops += [dist.P2POp(dist.irecv, t, self.global_ranks[src], self.group, tag) for t in recvs]
         if not ops:
             return []
-        return self._pending(self._post(ops, ready), [dst] * len(sends) + [src] * len(recvs), step)
+        peers = [dst] * len(sends) + [src] * len(recvs)
+        return self._pending(self._post(ops, ready, phase, step, peers), peers, step)
 
-    def _post(self, ops: list[dist.P2POp], ready: torch.cuda.Event | None) -> list:
+    def _post(self, ops: list[dist.P2POp], ready: torch.cuda.Event | None, phase: str, step: int,
+              peers: list[int]) -> list:
         """Post a batch: on the current stream, or with `ready` (CUDA tensors) from the side stream once
-        `ready` has happened, so that it can overlap kernels queued earlier on the current stream."""
-        if ready is None or ops[0].tensor.device.type != "cuda":
-            return dist.batch_isend_irecv(ops)
-        stream = self._side_stream()
-        stream.wait_event(ready)
-        with torch.cuda.stream(stream):
-            return dist.batch_isend_irecv(ops)
+        `ready` has happened, so that it can overlap kernels queued earlier on the current stream. A batch
+        that cannot be posted is a fault of step `step` (`fault`): gloo raises at once where a peer has
+        gone, before any wait."""
+        try:
+            if ready is None or ops[0].tensor.device.type != "cuda":
+                return dist.batch_isend_irecv(ops)
+            stream = self._side_stream()
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                return dist.batch_isend_irecv(ops)
+        except Exception as e:  # noqa: BLE001 - any failure of a transfer is a fault of the ring
+            raise self.fault(phase, step, sorted(set(peers)), e) from e
 
     @staticmethod
     def _pending(works: list, peers: list[int], step: int) -> list[Pending]:

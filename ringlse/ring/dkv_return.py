@@ -76,7 +76,7 @@ class DkvReturn:
         """Post our `sent` tensors to `dst` and the receipt of `theirs` from `src` (the previous piece settled)."""
         pulls, received = self._receive(piece, src, theirs, step) if theirs else ([], [])
         recvs = [t for *_, dk, dv in received for t in (dk, dv)] if not pulls else []
-        works = self.call.comm.send_recv(sent, dst, recvs, src, DKV_TAG, step=step)
+        works = self.call.comm.send_recv(sent, dst, recvs, src, DKV_TAG, step=step, phase="backward")
         self.in_flight = (works, sent, pulls, received)
 
     def settle(self, dk: PartSum, dv: PartSum) -> None:

@@ -91,8 +91,8 @@ class _Rotating(KVTransport):
         self.views = [None if b is None else self.pack.views(b) for b in self.bufs]  # made once, read every step
         self.ready = record_event() if k.is_cuda else None
 
-    def _post(self, t: int, held: torch.Tensor, into: torch.Tensor, after) -> Any:
-        """Start block t's transfer into `into` once `after` (an event, or None) has happened."""
+    def _post(self, t: int, held: torch.Tensor, into: torch.Tensor, after, phase: str) -> Any:
+        """Start block t's transfer of `phase` into `into` once `after` (an event, or None) has happened."""
         raise NotImplementedError
 
     def _arrive(self, s: int, posted: Any, phase: str) -> None:
@@ -110,14 +110,14 @@ class _Rotating(KVTransport):
         cuda = self.own[0].device.type == "cuda"
         last_read = [self.ready] * 3
         self._start(phase)
-        posted = self._post(1, self.kv_own, self.bufs[1], self.ready)
+        posted = self._post(1, self.kv_own, self.bufs[1], self.ready, phase)
         yield 0, self.own
         for s in range(1, world):
             self._arrive(s, posted, phase)
             kv = self.bufs[s % 3]
             if s + 1 < world:
                 nxt = (s + 1) % 3
-                posted = self._post(s + 1, kv, self.bufs[nxt], last_read[nxt])
+                posted = self._post(s + 1, kv, self.bufs[nxt], last_read[nxt], phase)
             yield s, self.views[s % 3]
             if cuda:
                 last_read[s % 3] = record_event()
@@ -130,8 +130,8 @@ class NeighbourKV(_Rotating):
     def __init__(self, call: RingCall, k: torch.Tensor, v: torch.Tensor):
         super().__init__(call, k, v, pack=True)
 
-    def _post(self, t, held, into, after) -> list[Pending]:
-        return self.call.comm.exchange(held, into, KV_TAG, ready=after, step=t)
+    def _post(self, t, held, into, after, phase) -> list[Pending]:
+        return self.call.comm.exchange(held, into, KV_TAG, ready=after, step=t, phase=phase)
 
     def _arrive(self, s, posted, phase) -> None:
         self.call.comm.wait(posted, phase, self.call.limit)
@@ -151,7 +151,7 @@ class CopyEngineKV(_Rotating):
         if limit is not None:
             self.pulled.await_published(limit, phase)
 
-    def _post(self, t, held, into, after) -> None:
+    def _post(self, t, held, into, after, phase) -> None:
         self.pulled.pull(t, into, rows_read(self.call.plans[t]), after)
 
     def _arrive(self, s, posted, phase) -> None:
@@ -194,19 +194,19 @@ class DirectKV(KVTransport):
                 into = received % len(bufs) if self.call.plans[t] else None
                 received += into is not None
                 after = self.ready if into is None else last_read[into]
-                posted[t] = self._post(t, None if into is None else bufs[into], after), into
+                posted[t] = self._post(t, None if into is None else bufs[into], after, phase), into
             yield s, self.own if s == 0 else (None if slot is None else self.views[slot])
             if cuda and slot is not None:
                 last_read[slot] = record_event()
 
-    def _post(self, t: int, buf: torch.Tensor | None, after) -> list[Pending]:
-        """Post step t: the rows rank (rank + t) reads of our K/V to it, the rows we read of rank
-        (rank - t)'s into `buf` (None: we read none), once `after` has happened."""
+    def _post(self, t: int, buf: torch.Tensor | None, after, phase: str) -> list[Pending]:
+        """Post step t of `phase`: the rows rank (rank + t) reads of our K/V to it, the rows we read of
+        rank (rank - t)'s into `buf` (None: we read none), once `after` has happened."""
         comm = self.call.comm
         sends = self.pack.row_views(self.kv_own, rows_read(self.call.peer_plans[t]))
         recvs = [] if buf is None else self.pack.row_views(buf, rows_read(self.call.plans[t]))
         return comm.send_recv(sends, (comm.rank + t) % comm.world, recvs, (comm.rank - t) % comm.world,
-                              DIRECT_KV_TAG, step=t, ready=after)
+                              DIRECT_KV_TAG, step=t, ready=after, phase=phase)
 
 
 def kv_transport(call: RingCall, k: torch.Tensor, v: torch.Tensor) -> KVTransport:
