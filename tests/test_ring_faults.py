@@ -202,14 +202,16 @@ def test_a_batch_that_cannot_be_posted_names_phase_step_and_peers(monkeypatch):
     """gloo raises at once when a peer is gone as a batch is posted, before any wait: that too is the
     RuntimeError of docs/failures.md, naming the phase, the step and the batch's peers (a survivor of a
     rank that exited had raised gloo's own "Connection reset by peer" from the post), and the comm refuses
-    further calls."""
+    further calls; the agreement's exchange likewise."""
+    import datetime
+
     import torch.distributed as dist
 
     from ringlse.ring.comm import RingComm
 
     comm = RingComm(None)
     comm.rank, comm.world, comm.global_ranks = 1, 3, [5, 6, 7]
-    comm.next, comm.prev, comm._group_ref = 7, 5, None
+    comm.next, comm.prev, comm._group_ref, comm.backend = 7, 5, None, "gloo"
 
     def reset(ops):
         raise RuntimeError("Read error [127.0.0.1]:60811: Connection reset by peer")
@@ -226,6 +228,12 @@ def test_a_batch_that_cannot_be_posted_names_phase_step_and_peers(monkeypatch):
     comm.failed = None
     with pytest.raises(RuntimeError, match=r"^ring_attention: backward step 1: waiting for rank 2 \(global 7\): "):
         comm.send_recv([t], 2, [], 0, step=1, phase="backward")
+    # the agreement's all-to-all likewise
+    comm.failed = None
+    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **kw: reset(None))
+    with pytest.raises(RuntimeError, match=r"^ring_attention: agreement step 0: waiting for ranks 0, 2 \(global 5, 7\): "
+                       r"Read error"):
+        comm.post_agreement([1, 2, 3], None, datetime.timedelta(seconds=1))
 
 
 @pytest.mark.parametrize("timeout", [0, -1, float("inf"), 1e300, "1s", True])

@@ -135,7 +135,7 @@ def post_agreement(rank: int, world: int, host_group: dist.ProcessGroup | None, 
         return Agreement(lambda: True, lambda: decide([[0 if error is None else 1, *meta]], [error or ""], describe))
     row = torch.tensor([_ARRIVED, 0 if error is None else 1, *meta], dtype=torch.int64)
     table = torch.zeros((world, row.numel()), dtype=torch.int64)
-    work = dist.all_to_all_single(table, row.expand(world, -1).contiguous(), group=host_group, async_op=True)
+    work = _post(table, row, host_group, rank, 0, fault)
 
     def check() -> None:
         _wait(work, table, rank, limit, 0, fault)
@@ -146,6 +146,18 @@ def post_agreement(rank: int, world: int, host_group: dist.ProcessGroup | None, 
         decide(rows, texts, describe)
 
     return Agreement(work.is_completed, check)
+
+
+def _post(table: torch.Tensor, row: torch.Tensor, host_group, rank: int, step: int, fault: Fault | None):
+    """Start the all-to-all of exchange `step` (this rank's `row` to every rank, theirs into `table`); a
+    failure to start it (a peer already gone) is a fault naming every other rank, as a failed wait."""
+    try:
+        return dist.all_to_all_single(table, row.expand(table.shape[0], -1).contiguous(), group=host_group,
+                                      async_op=True)
+    except Exception as e:  # noqa: BLE001 - any failure of the exchange is a fault of the ring
+        if fault is None:
+            raise
+        raise fault(step, [r for r in range(table.shape[0]) if r != rank], e) from e
 
 
 def _wait(work, table: torch.Tensor, rank: int, limit: datetime.timedelta | None, step: int,
@@ -171,7 +183,7 @@ def _exchange_texts(rank: int, world: int, host_group, error: str | None, limit,
     row[0] = _ARRIVED
     row[1:1 + len(data)] = torch.tensor(list(data), dtype=torch.uint8)
     table = torch.zeros((world, TEXT_BYTES + 1), dtype=torch.uint8)
-    work = dist.all_to_all_single(table, row.expand(world, -1).contiguous(), group=host_group, async_op=True)
+    work = _post(table, row, host_group, rank, 1, fault)
     _wait(work, table, rank, limit, 1, fault)
     return [bytes(t[1:].tolist()).rstrip(b"\0").decode("utf-8", "ignore") for t in table]
 

@@ -23,7 +23,10 @@ def _post_and_wait(comm: RingComm, limit: datetime.timedelta | None, phase: str,
     sends = [t.contiguous() for t in tensors]
     recvs = [torch.empty_like(t) for t in sends]
     with comm.guard(phase):
-        works = [dist.all_to_all_single(r, s, group=comm.group, async_op=True) for r, s in zip(recvs, sends)]
+        try:
+            works = [dist.all_to_all_single(r, s, group=comm.group, async_op=True) for r, s in zip(recvs, sends)]
+        except Exception as e:  # noqa: BLE001 - a peer already gone: a fault, as a failed wait
+            raise comm.fault(phase, 0, comm.others(), e) from e
         comm.wait([Pending(w, tuple(comm.others()), 0) for w in works], phase, limit)
     return tuple(recvs)
 
