@@ -144,7 +144,9 @@ class _Plan:
 _CONSTS = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
-def _template(x, bases: list[tuple[str, int, torch.Tensor]]):
+def _template(x, bases: list[tuple[str, int, torch.Tensor]], used: dict[int, int]):
+    """`x`'s template over `bases` (the inputs, then the recorded allocations); `used` numbers the
+    allocations in the order the templates first take them (a plan makes only those)."""
     if isinstance(x, torch.Tensor):
         ptr = x.untyped_storage().data_ptr()
         same = [b for b in bases if b[2].untyped_storage().data_ptr() == ptr]
@@ -152,13 +154,15 @@ def _template(x, bases: list[tuple[str, int, torch.Tensor]]):
         if not (exact or same):
             raise _Unknown
         src, i, base = (exact or same)[0]
+        if src == "new":
+            i = used.setdefault(i, len(used))
         offset = x.storage_offset() - base.storage_offset()
         whole = offset == 0 and x.shape == base.shape and x.stride() == base.stride()
         return ("t", src, i, tuple(x.shape), tuple(x.stride()), offset, whole)
     if isinstance(x, (tuple, list)):
-        return ("seq", type(x), [_template(y, bases) for y in x])
+        return ("seq", type(x), [_template(y, bases, used) for y in x])
     if isinstance(x, dict):
-        return ("dict", list(x), [_template(y, bases) for y in x.values()])
+        return ("dict", list(x), [_template(y, bases, used) for y in x.values()])
     if isinstance(x, _CONSTS):
         return ("const", x)
     raise _Unknown
@@ -204,17 +208,16 @@ def _view(base: torch.Tensor, size, stride, offset: int) -> torch.Tensor:
 
 
 def _tensor_sig(t: torch.Tensor, first: dict[int, tuple[int, int]], i: int) -> tuple:
-    ptr = t.untyped_storage().data_ptr()
-    # (alignment mod 32 bytes: FA4 assumes at most 32 of any tensor)
     # which earlier input shares this one's memory, and where: k and v packed in one buffer, say
-    shared = first.setdefault(ptr, (i, t.data_ptr()))
+    shared = first.setdefault(t.untyped_storage().data_ptr(), (i, t.data_ptr()))
+    # (alignment mod 32 bytes: FA4 assumes at most 32 of any tensor)
     return (tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 32, t.requires_grad, shared[0],
             t.data_ptr() - shared[1])
 
 
 class Replayed:
     """`fn(*args, **kwargs)` (an FA4 interface function), replayed from a plan where its signature has
-    one (see the module's docstring). `caches` are the interface's functions that hold `compile_cache`s."""
+    one (see the module's docstring). `caches` are FA4's functions that hold `compile_cache`s."""
 
     def __init__(self, fn: Callable, caches: list):
         self.fn, self.caches = fn, caches
@@ -277,25 +280,13 @@ class Replayed:
             return result, None
         bases = [("in", i, t) for i, t in enumerate(inputs)]
         bases += [("new", i, t) for i, (t, _) in enumerate(recorder.allocs)]
+        used: dict[int, int] = {}  # recorded allocation -> its place among those the plan makes
         try:
-            calls = [(fn, _template(list(a), bases), _template(kw, bases)) for fn, a, kw in log]
-            tree = _template(result, bases)
+            calls = [(fn, _built(_template(list(a), bases, used)), _built(_template(kw, bases, used)))
+                     for fn, a, kw in log]
+            tree = _built(_template(result, bases, used))
         except _Unknown:
             return result, None
-        # only the allocations something reads, renumbered
-        used: dict[int, int] = {}
-
-        def renumber(t):
-            if t[0] == "const":
-                return t
-            if t[0] in ("seq", "dict"):
-                return (t[0], t[1], [renumber(y) for y in t[2]])
-            if t[1] == "new":
-                return (*t[:2], used.setdefault(t[2], len(used)), *t[3:])
-            return t
-
-        calls = [(fn, _built(renumber(a)), _built(renumber(kw))) for fn, a, kw in calls]
-        tree = _built(renumber(tree))
         allocs = [None] * len(used)
         for i, j in used.items():
             t, zeroed = recorder.allocs[i]
